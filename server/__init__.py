@@ -1,0 +1,1 @@
+"""edgefl server: round orchestration over MQTT, aggregation strategies, evaluation and reports."""
