@@ -1,0 +1,496 @@
+"""Wire protocol: typed messages, encode/decode and strict validation.
+
+A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one
+buffer fill and decoding is zero-copy (``np.frombuffer`` views into the payload). Everything a peer sends is
+untrusted: decode bounds the header parse and checks version, type, every field and every array before any
+message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from edge_client.topics import CLIENT_ID_RE
+
+PROTOCOL_VERSION = 1
+DTYPE = "<f4"  # the only array dtype on the wire
+MAX_HEADER_BYTES = 65536
+_U8 = "|u1"  # chunk payload bytes
+_MSG_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class ProtocolError(ValueError):
+    """A frame that must be rejected; ``reason`` is a short code for metrics counters."""
+
+    reason: str = "protocol"
+
+
+class MalformedMessage(ProtocolError):
+    reason = "malformed"
+
+
+class UnsupportedVersion(ProtocolError):
+    reason = "version"
+
+
+class UnknownMessageType(ProtocolError):
+    reason = "type"
+
+
+class MissingField(ProtocolError):
+    reason = "missing_field"
+
+
+class InvalidField(ProtocolError):
+    reason = "invalid_field"
+
+
+class ShapeMismatch(ProtocolError):
+    reason = "shape"
+
+
+class NonFiniteValues(ProtocolError):
+    reason = "non_finite"
+
+
+class MessageTooLarge(ProtocolError):
+    reason = "too_large"
+
+
+class ChunkError(ProtocolError):
+    reason = "chunk"
+
+
+class OutOfRound(ProtocolError):
+    reason = "out_of_round"
+
+
+class DuplicateMessage(ProtocolError):
+    reason = "duplicate"
+
+
+def new_msg_id() -> str:
+    """Random 32-hex-char id; receivers de-duplicate on it (brokers redeliver after a crash)."""
+    return uuid.uuid4().hex
+
+
+@dataclass
+class Hello:
+    client_id: str
+    num_samples: int
+    device: dict[str, Any] = field(default_factory=dict)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "hello"
+
+
+@dataclass
+class Assignment:
+    """Server -> one client: everything that client needs for this round."""
+
+    round: int
+    model_version: int
+    local_steps: int
+    lr: float
+    batch_size: int
+    deadline_s: float
+    algorithm: str
+    model: dict[str, Any]
+    weights: np.ndarray
+    alpha: float | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    upload: bool = True
+    seed: int = 0
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "assignment"
+
+
+@dataclass
+class Update:
+    """Client -> server; ``delta = w_start - w_end`` (descent-positive)."""
+
+    round: int
+    model_version: int
+    client_id: str
+    num_samples: int
+    local_steps: int
+    compute_s: float
+    cpu_s: float
+    train_loss: float
+    delta: np.ndarray
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "update"
+
+
+@dataclass
+class Presence:
+    client_id: str
+    online: bool
+    role: str = "client"
+    reason: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "presence"
+
+
+@dataclass
+class Stop:
+    reason: str
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "stop"
+
+
+Message = Hello | Assignment | Update | Presence | Stop
+
+
+@dataclass
+class Chunk:
+    """One frame of a message larger than the chunk size; ``data`` is a zero-copy view when decoded."""
+
+    of: str
+    index: int
+    count: int
+    size: int
+    chunk_size: int
+    sha256: str
+    data: memoryview | bytes
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "chunk"
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+# A check returns None when the value is acceptable, else a text "expected ..." for the error message.
+Check = Callable[[Any], str | None]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # bool is an int subclass: never accept it as a number
+
+
+def _int(lo: int | None = None) -> Check:
+    def check(v: Any) -> str | None:
+        if not _is_int(v) or (lo is not None and v < lo):
+            return "an int" + ("" if lo is None else f" >= {lo}")
+        return None
+
+    return check
+
+
+def _float(lo: float | None = None, *, positive: bool = False, finite: bool = True, optional: bool = False) -> Check:
+    def check(v: Any) -> str | None:
+        expected = "a" + (" finite" if finite else "") + " float" + (" > 0" if positive else "")
+        expected += f" >= {lo}" if lo is not None else ""
+        expected += " or None" if optional else ""
+        if v is None and optional:
+            return None
+        if not (_is_int(v) or isinstance(v, float)):
+            return expected
+        if (
+            (finite and isinstance(v, float) and not math.isfinite(v))
+            or (positive and not v > 0)
+            or (lo is not None and not v >= lo)
+        ):
+            return expected
+        return None
+
+    return check
+
+
+def _str(pattern: re.Pattern[str] | None = None, choices: tuple[str, ...] | None = None) -> Check:
+    def check(v: Any) -> str | None:
+        ok = isinstance(v, str) and (pattern is None or pattern.fullmatch(v) is not None)
+        ok = ok and (choices is None or v in choices)
+        if ok:
+            return None
+        return "a str" + (f" matching {pattern.pattern}" if pattern else "") + (f" in {choices}" if choices else "")
+
+    return check
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "a bool"
+
+
+def _dict(v: Any) -> str | None:
+    return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a map with str keys"
+
+
+_NONNEG = _int(0)
+_CID = _str(CLIENT_ID_RE)
+_TEXT = _str()
+_INT = _int()
+
+# Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
+_SPECS: dict[str, dict[str, tuple[str, Check]]] = {
+    "hello": {"client_id": ("client_id", _CID), "num_samples": ("num_samples", _NONNEG), "device": ("device", _dict)},
+    "assignment": {
+        "round": ("round", _NONNEG),
+        "model_version": ("model_version", _NONNEG),
+        "local_steps": ("local_steps", _int(1)),
+        "lr": ("lr", _float(positive=True)),
+        "batch_size": ("batch_size", _int(1)),
+        "deadline_s": ("deadline_s", _float(positive=True)),
+        "algorithm": ("algorithm", _TEXT),
+        "model": ("model", _dict),
+        "alpha": ("alpha", _float(optional=True)),
+        "params": ("params", _dict),
+        "upload": ("upload", _bool),
+        "seed": ("seed", _NONNEG),
+    },
+    "update": {
+        "round": ("round", _NONNEG),
+        "model_version": ("model_version", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "num_samples": ("num_samples", _NONNEG),
+        "local_steps": ("local_steps", _NONNEG),
+        "compute_s": ("compute_s", _float(0.0)),
+        "cpu_s": ("cpu_s", _float(0.0)),
+        "train_loss": ("train_loss", _float(finite=False)),  # a diverged client may still report its NaN loss
+        "metrics": ("metrics", _dict),
+        "extras": ("extras", _dict),
+    },
+    "presence": {
+        "client_id": ("client_id", _CID),
+        "online": ("online", _bool),
+        "role": ("role", _str(choices=("client", "server"))),
+        "reason": ("reason", _TEXT),
+    },
+    "stop": {"reason": ("reason", _TEXT)},
+    "chunk": {
+        "of": ("of", _str(_MSG_ID_RE)),
+        "i": ("index", _INT),
+        "n": ("count", _INT),
+        "size": ("size", _INT),
+        "cs": ("chunk_size", _INT),
+        "sha256": ("sha256", _str(_SHA256_RE)),
+    },
+}
+_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Presence, Stop, Chunk)}
+_VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
+_REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
+    t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
+}
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _check_fields(t: str, f: dict[str, Any]) -> None:
+    spec = _SPECS[t]
+    for key in f:
+        if key not in spec:
+            raise InvalidField(f"{t}: unknown field {_short(key)} (expected one of {sorted(spec)})")
+    for key, (attr, check) in spec.items():
+        if key not in f:
+            if attr in _REQUIRED[t]:
+                raise MissingField(f"{t}: missing field {key!r}")
+            continue
+        expected = check(f[key])
+        if expected is not None:
+            raise InvalidField(f"{t}: field {key!r} expected {expected}, got {_short(f[key])}")
+
+
+def _check_chunk(f: dict[str, Any], nbytes: int) -> None:
+    """Self-consistency of one chunk frame (the reassembler also checks it against its siblings)."""
+    i, n, size, cs = f["i"], f["n"], f["size"], f["cs"]
+    if cs <= 0 or size <= 0:
+        raise ChunkError(f"chunk: chunk_size and size must be > 0, got chunk_size={cs} size={size}")
+    if n != -(-size // cs):
+        raise ChunkError(f"chunk: count expected ceil({size}/{cs}) = {-(-size // cs)}, got {n}")
+    if not 0 <= i < n:
+        raise ChunkError(f"chunk: index expected 0 <= index < {n}, got {i}")
+    want = cs if i < n - 1 else size - (n - 1) * cs
+    if nbytes != want:
+        raise ChunkError(f"chunk: piece {i} of {n} expected {want} bytes, got {nbytes}")
+
+
+# ---------------------------------------------------------------------------------------------------------- encode
+def _np_scalar(o: Any) -> Any:
+    """msgpack `default`: numpy scalars (np.float32, np.int64, ...) in metrics dicts become Python scalars."""
+    if isinstance(o, np.generic):
+        return o.item()
+    raise TypeError(f"cannot serialise {type(o).__name__}")
+
+
+def _coerce(v: Any) -> Any:
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _as_f4(t: str, name: str, arr: Any, vector: bool) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
+        got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise InvalidField(f"{t}: array {name!r} expected a float numpy array, got {got}")
+    if vector and arr.ndim != 1:
+        raise InvalidField(f"{t}: array {name!r} expected 1-D, got shape {arr.shape}")
+    return np.ascontiguousarray(arr, DTYPE)  # no copy when already contiguous little-endian float32
+
+
+def encode(msg: Message | Chunk) -> bytes | bytearray:
+    """Serialise ``msg`` into one frame.
+
+    Returns a ``bytearray`` (paho publishes it as is) built at its final size: header, then each array copied once
+    from a byte memoryview. Fields are validated like on decode, so a bad message fails at the sender; array
+    finiteness is left to the receiver (it must check anyway).
+    """
+    t = getattr(msg, "TYPE", None)
+    if t not in _SPECS:
+        raise UnknownMessageType(f"encode: expected one of {sorted(_SPECS)}, got {type(msg).__name__}")
+    f = {key: _coerce(getattr(msg, attr)) for key, (attr, _) in _SPECS[t].items()}
+    _check_fields(t, f)
+    if not isinstance(msg.msg_id, str) or not _MSG_ID_RE.fullmatch(msg.msg_id):
+        raise InvalidField(f"{t}: msg_id expected a str matching {_MSG_ID_RE.pattern}, got {_short(msg.msg_id)}")
+    blobs: list[tuple[str, str, list[int], memoryview]] = []
+    if isinstance(msg, Chunk):
+        data = memoryview(msg.data).cast("B")
+        _check_chunk(f, data.nbytes)
+        blobs.append(("data", _U8, [data.nbytes], data))
+    elif t in _VECTOR:
+        named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
+        extra = msg.arrays  # type: ignore[union-attr]
+        if not isinstance(extra, dict) or not all(isinstance(k, str) and k for k in extra):
+            raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
+        named += [(f"x:{k}", v, False) for k, v in extra.items()]
+        for name, arr, vector in named:
+            a = _as_f4(t, name, arr, vector)
+            blobs.append((name, DTYPE, list(a.shape), memoryview(a.reshape(-1)).cast("B")))
+    header = {"v": PROTOCOL_VERSION, "t": t, "id": msg.msg_id, "f": f, "a": [[n, d, s] for n, d, s, _ in blobs]}
+    try:
+        head = msgpack.packb(header, use_bin_type=True, default=_np_scalar)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidField(f"{t}: a field cannot be serialised: {e}") from e
+    if len(head) > MAX_HEADER_BYTES:
+        raise MessageTooLarge(f"{t}: header expected <= {MAX_HEADER_BYTES} bytes, got {len(head)}")
+    # join sizes the result once and copies each part once; unlike bytearray(n) it does not zero-fill first (1.6x).
+    return bytearray().join([head, *(b for *_, b in blobs)])
+
+
+# ---------------------------------------------------------------------------------------------------------- decode
+_UNPACK_ERRORS = (ValueError, TypeError, msgpack.UnpackException, RecursionError, OverflowError)
+
+
+def _parse(payload: bytes | bytearray | memoryview) -> tuple[Any, int]:
+    view = memoryview(payload).cast("B")[:MAX_HEADER_BYTES]  # zero-copy; the header must fit in this prefix
+    u = msgpack.Unpacker(
+        max_buffer_size=MAX_HEADER_BYTES,
+        raw=False,
+        strict_map_key=True,
+        max_str_len=MAX_HEADER_BYTES,
+        max_bin_len=MAX_HEADER_BYTES,
+        max_array_len=MAX_HEADER_BYTES,
+        max_map_len=MAX_HEADER_BYTES // 2,
+        max_ext_len=0,  # no ext types (timestamps, custom objects) anywhere
+    )
+    try:
+        u.feed(view)
+        header = u.unpack()
+    except msgpack.OutOfData:
+        if view.nbytes >= MAX_HEADER_BYTES:
+            raise MalformedMessage(f"header: expected <= {MAX_HEADER_BYTES} bytes of msgpack, got more") from None
+        raise MalformedMessage(f"header: truncated msgpack ({view.nbytes} bytes)") from None
+    except _UNPACK_ERRORS as e:
+        raise MalformedMessage(f"header: not valid msgpack ({type(e).__name__}: {_short(str(e))})") from None
+    return header, u.tell()
+
+
+def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse and fully validate a frame's header; return it and the offset where the raw array bytes begin.
+
+    Everything but array finiteness is checked, including that the arrays account for exactly the remaining bytes.
+    """
+    header, offset = _parse(payload)
+    size = memoryview(payload).nbytes
+    if not isinstance(header, dict):
+        raise MalformedMessage(f"header: expected a map, got {type(header).__name__}")
+    extra = set(header) - {"v", "t", "id", "f", "a"}
+    if extra:
+        raise MalformedMessage(f"header: unknown keys {sorted(map(str, extra))}")
+    if "v" not in header:
+        raise MalformedMessage("header: missing key 'v' (protocol version)")
+    if header["v"] != PROTOCOL_VERSION or not _is_int(header["v"]):
+        raise UnsupportedVersion(f"header: version expected {PROTOCOL_VERSION}, got {_short(header['v'])}")
+    t = header.get("t")
+    if not isinstance(t, str) or t not in _SPECS:
+        raise UnknownMessageType(f"header: type expected one of {sorted(_SPECS)}, got {_short(t)}")
+    for key in ("id", "f"):
+        if key not in header:
+            raise MalformedMessage(f"{t}: header missing key {key!r}")
+    if not isinstance(header["id"], str) or not _MSG_ID_RE.fullmatch(header["id"]):
+        raise InvalidField(f"{t}: id expected a str matching {_MSG_ID_RE.pattern}, got {_short(header['id'])}")
+    f = header["f"]
+    if not isinstance(f, dict):
+        raise MalformedMessage(f"{t}: header 'f' expected a map, got {type(f).__name__}")
+    _check_fields(t, f)
+    arrays = header.setdefault("a", [])
+    if not isinstance(arrays, list):
+        raise MalformedMessage(f"{t}: header 'a' expected a list, got {type(arrays).__name__}")
+    total, seen = 0, set()
+    vector = _VECTOR.get(t)
+    for entry in arrays:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise MalformedMessage(f"{t}: array entry expected [name, dtype, shape], got {_short(entry)}")
+        name, dtype, shape = entry
+        allowed = name == "data" if t == "chunk" else vector is not None and (name == vector or name[:2] == "x:")
+        if not allowed or name in seen or name == "x:":
+            raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
+        seen.add(name)
+        want = _U8 if t == "chunk" else DTYPE
+        if dtype != want:
+            raise InvalidField(f"{t}: array {name!r} dtype expected {want!r}, got {_short(dtype)}")
+        if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_int(s) and s >= 0 for s in shape)):
+            raise ShapeMismatch(f"{t}: array {name!r} shape expected <= 32 ints >= 0, got {_short(shape)}")
+        if (name in (vector, "data")) and len(shape) != 1:
+            raise ShapeMismatch(f"{t}: array {name!r} expected 1-D, got shape {shape}")
+        total += math.prod(shape) * (1 if t == "chunk" else 4)
+    need = vector or ("data" if t == "chunk" else None)
+    if need is not None and need not in seen:
+        raise MissingField(f"{t}: missing field {need!r}")
+    if offset + total != size:
+        raise ShapeMismatch(f"{t}: arrays {sorted(seen)} expected {total} bytes after the header, got {size - offset}")
+    if t == "chunk":
+        _check_chunk(f, total)
+    return header, offset
+
+
+def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2**20) -> Message | Chunk:
+    """Validate and decode one frame. Arrays (and chunk data) are views into ``payload``: no copy."""
+    n = memoryview(payload).nbytes
+    if n > max_bytes:
+        raise MessageTooLarge(f"payload: expected <= {max_bytes} bytes, got {n}")
+    if not isinstance(payload, (bytes, bytearray)):
+        payload = memoryview(payload).cast("B")
+    header, pos = read_header(payload)
+    t, f = header["t"], header["f"]
+    kwargs = {attr: f[key] for key, (attr, _) in _SPECS[t].items() if key in f}
+    kwargs["msg_id"] = header["id"]
+    extra: dict[str, np.ndarray] = {}
+    for name, _, shape in header["a"]:
+        count = math.prod(shape)
+        if t == "chunk":
+            kwargs["data"] = memoryview(payload)[pos : pos + count]
+            pos += count
+            continue
+        arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
+        pos += 4 * count
+        if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
+            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+            raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
+        if name[:2] == "x:":
+            extra[name[2:]] = arr
+        else:
+            kwargs[name] = arr
+    if t in _VECTOR:
+        kwargs["arrays"] = extra
+    return _CLASSES[t](**kwargs)

@@ -1,0 +1,62 @@
+"""Topic scheme: one topic per client and direction, so the broker ACL can confine each device to its own topics."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Client ids become topic levels and broker usernames: no '/', '+', '#', spaces or leading punctuation.
+# Match with fullmatch (or validate_client_id): `$` alone would also accept a trailing newline.
+CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_client_id(client_id: str, *, what: str = "client id") -> str:
+    """Return ``client_id`` if it is safe as a topic level and username, else raise ValueError saying the rule."""
+    if not isinstance(client_id, str) or CLIENT_ID_RE.fullmatch(client_id) is None:
+        raise ValueError(
+            f"invalid {what} {client_id!r}: expected 1-64 characters matching {CLIENT_ID_RE.pattern} "
+            "(letters, digits, '_', '.', '-'; starting with a letter or digit)"
+        )
+    return client_id
+
+
+@dataclass(frozen=True)
+class Topics:
+    """The topics of one job (``edgefl/<job>/...``); several jobs can share a broker."""
+
+    job: str = "default"
+
+    def __post_init__(self) -> None:
+        validate_client_id(self.job, what="job name")
+
+    @property
+    def root(self) -> str:
+        return f"edgefl/{self.job}"
+
+    def up(self, client_id: str) -> str:
+        """Client -> server: hello, update, presence (last will)."""
+        return f"{self.root}/c/{validate_client_id(client_id)}/up"
+
+    def down(self, client_id: str) -> str:
+        """Server -> that client only: assignment, stop."""
+        return f"{self.root}/c/{validate_client_id(client_id)}/down"
+
+    @property
+    def broadcast(self) -> str:
+        return f"{self.root}/broadcast"
+
+    @property
+    def server(self) -> str:
+        """Retained server presence; clients say hello again when it comes online."""
+        return f"{self.root}/server"
+
+    @property
+    def all_up(self) -> str:
+        return f"{self.root}/c/+/up"
+
+    def client_of(self, topic: str) -> str | None:
+        """Client id of an up/down topic of this job, else None (the server trusts the topic, which the ACL guards)."""
+        parts = topic.split("/") if isinstance(topic, str) else []
+        if len(parts) != 5 or parts[:3] != ["edgefl", self.job, "c"] or parts[4] not in ("up", "down"):
+            return None
+        return parts[3] if CLIENT_ID_RE.fullmatch(parts[3]) else None

@@ -1,0 +1,319 @@
+"""Wire protocol: round trips, zero-copy decoding and every rejection path with its specific error."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge_client import protocol as P
+from edge_client.chunking import Reassembler, split
+
+
+def _assignment(**kw: Any) -> P.Assignment:
+    args: dict[str, Any] = dict(
+        round=3,
+        model_version=2,
+        local_steps=5,
+        lr=0.05,
+        batch_size=32,
+        deadline_s=30.0,
+        algorithm="taco",
+        model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
+        weights=np.arange(10, dtype=np.float32),
+        alpha=0.5,
+        params={"beta": 0.9, "flag": True, "mode": "x"},
+        arrays={"c": np.full(10, 0.25, np.float32), "c_global": np.ones(10, np.float32)},
+        upload=False,
+        seed=7,
+    )
+    args.update(kw)
+    return P.Assignment(**args)
+
+
+def _update(**kw: Any) -> P.Update:
+    args: dict[str, Any] = dict(
+        round=3,
+        model_version=2,
+        client_id="pi-01",
+        num_samples=600,
+        local_steps=5,
+        compute_s=1.25,
+        cpu_s=2.5,
+        train_loss=0.7,
+        delta=np.linspace(-1, 1, 12, dtype=np.float32),
+        metrics={"cpu_temp_c": 51.2, "serialise_s": 0.01},
+        extras={"beta": 0.3},
+        arrays={"dc": np.full(12, -2.0, np.float32)},
+    )
+    args.update(kw)
+    return P.Update(**args)
+
+
+def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail: bytes | None = None) -> bytes:
+    """Re-pack a valid frame's header after ``fn`` edits it (bypasses encode's own validation)."""
+    header, off = P.read_header(payload)
+    header = copy.deepcopy(header)
+    fn(header)
+    return msgpack.packb(header, use_bin_type=True) + (bytes(payload[off:]) if tail is None else tail)
+
+
+MESSAGES = [
+    _assignment(),
+    _assignment(arrays={}, alpha=None, params={}),
+    _update(),
+    _update(arrays={}, metrics={}, extras={}),
+    P.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
+    P.Presence("server", True, role="server", reason="start"),
+    P.Presence("pi-01", False, reason="lost"),
+    P.Stop("done"),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
+def test_round_trip(msg: P.Message) -> None:
+    payload = bytes(P.encode(msg))
+    out = P.decode(payload)
+    assert type(out) is type(msg)
+    for name, value in vars(msg).items():
+        got = getattr(out, name)
+        if isinstance(value, np.ndarray):
+            assert got.dtype == np.dtype("<f4") and np.array_equal(got, value)
+            assert np.shares_memory(got, np.frombuffer(payload, np.uint8))  # a view, not a copy
+        elif name == "arrays":
+            assert got.keys() == value.keys()
+            for k, v in value.items():
+                assert got[k].dtype == np.dtype("<f4") and np.array_equal(got[k], v)
+                assert np.shares_memory(got[k], np.frombuffer(payload, np.uint8))
+        else:
+            assert got == value, name
+
+
+def test_encode_converts_and_accepts_numpy_scalars() -> None:
+    msg = _update(delta=np.arange(4, dtype=np.float64), round=np.int64(4), metrics={"t": np.float32(1.5)})
+    out = P.decode(P.encode(msg))
+    assert out.round == 4 and type(out.round) is int and out.metrics == {"t": 1.5}
+    assert out.delta.dtype == np.dtype("<f4") and np.array_equal(out.delta, [0, 1, 2, 3])
+    big_endian = np.arange(3, dtype=">f4")
+    assert np.array_equal(P.decode(P.encode(_update(delta=big_endian))).delta, [0, 1, 2])
+
+
+def test_decode_accepts_memoryview_and_bytearray() -> None:
+    payload = P.encode(_update())
+    assert isinstance(payload, bytearray)
+    assert np.array_equal(P.decode(memoryview(payload)).delta, _update().delta)
+
+
+def test_empty_vector_and_nd_extra_array() -> None:
+    msg = _update(delta=np.zeros(0, np.float32), arrays={"m": np.ones((2, 3), np.float32)})
+    out = P.decode(P.encode(msg))
+    assert out.delta.shape == (0,) and out.arrays["m"].shape == (2, 3)
+
+
+def test_read_header_offset() -> None:
+    payload = P.encode(_update())
+    header, off = P.read_header(payload)
+    assert header["t"] == "update" and header["v"] == 1 and len(payload) - off == 4 * (12 + 12)
+    assert [a[0] for a in header["a"]] == ["delta", "x:dc"]
+
+
+def test_defaults_may_be_omitted_on_the_wire() -> None:
+    payload = _edit(P.encode(P.Presence("pi-01", True)), lambda h: [h["f"].pop("role"), h["f"].pop("reason")])
+    out = P.decode(payload)
+    assert out.role == "client" and out.reason == ""
+
+
+# ---------------------------------------------------------------------------------------------------- rejections
+def _reject(payload: bytes | bytearray, exc: type[P.ProtocolError], *words: str, **kw: Any) -> None:
+    with pytest.raises(exc) as info:
+        P.decode(payload, **kw)
+    assert type(info.value) is exc
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+GOOD = bytes(P.encode(_update()))
+
+
+@pytest.mark.parametrize(
+    ("payload", "words"),
+    [
+        (b"\xc1\xc1\xc1 not msgpack", ("msgpack",)),
+        (b"", ("truncated",)),
+        (GOOD[:20], ("truncated",)),
+        (msgpack.packb([1, "update", "x"]), ("map", "list")),
+        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "zz": 1}), ("zz",)),
+        (msgpack.packb({"t": "stop", "id": "a" * 32, "f": {}}), ("'v'",)),
+        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32}), ("'f'",)),
+        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": []}), ("'f'",)),
+        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": {}}), ("'a'",)),
+        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": [["x"]]}), ("array",)),
+        (msgpack.packb({"v": 1, "t": "stop", "f": {1: 2}}), ("msgpack",)),  # non-str map key
+        (msgpack.packb({"v": 1, "t": "stop", "f": {"reason": msgpack.ExtType(1, b"x")}}), ("msgpack",)),
+        (msgpack.packb({"v": 1, "t": "stop", "f": {"reason": "x" * (P.MAX_HEADER_BYTES + 10)}}), ("65536",)),
+    ],
+)
+def test_malformed(payload: bytes, words: tuple[str, ...]) -> None:
+    _reject(payload, P.MalformedMessage, *words)
+
+
+def test_version_and_type() -> None:
+    _reject(_edit(GOOD, lambda h: h.update(v=2)), P.UnsupportedVersion, "version", "expected 1", "got 2")
+    _reject(_edit(GOOD, lambda h: h.update(v=True)), P.UnsupportedVersion, "True")
+    _reject(_edit(GOOD, lambda h: h.update(t="gossip")), P.UnknownMessageType, "gossip")
+    _reject(_edit(GOOD, lambda h: h.update(t=["update"])), P.UnknownMessageType, "['update']")
+    with pytest.raises(P.UnknownMessageType):
+        P.encode(object())  # type: ignore[arg-type]
+
+
+def test_message_id() -> None:
+    _reject(_edit(GOOD, lambda h: h.update(id="bad id/")), P.InvalidField, "id", "bad id/")
+    _reject(_edit(GOOD, lambda h: h.pop("id")), P.MalformedMessage, "'id'")
+    with pytest.raises(P.InvalidField, match="msg_id"):
+        P.encode(P.Stop("x", msg_id=""))
+
+
+def test_missing_fields() -> None:
+    _reject(_edit(GOOD, lambda h: h["f"].pop("round")), P.MissingField, "update: missing field 'round'")
+    _reject(_edit(GOOD, lambda h: h.update(a=[]), tail=b""), P.MissingField, "update: missing field 'delta'")
+    assignment = P.encode(_assignment(arrays={}))
+    _reject(_edit(assignment, lambda h: h.update(a=[]), tail=b""), P.MissingField, "'weights'")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("round", True, "an int"),  # bool is not an int
+        ("round", 1.0, "an int"),
+        ("round", -1, ">= 0"),
+        ("local_steps", -1, ">= 0"),
+        ("num_samples", "600", "an int"),
+        ("compute_s", -0.5, ">= 0"),
+        ("compute_s", float("nan"), "finite"),
+        ("cpu_s", float("inf"), "finite"),
+        ("cpu_s", None, "float"),
+        ("train_loss", "x", "float"),
+        ("client_id", "a/b", "client_id"),
+        ("client_id", "", "client_id"),
+        ("client_id", 5, "str"),
+        ("metrics", [1, 2], "map"),
+        ("extras", None, "map"),
+    ],
+)
+def test_invalid_update_fields(field: str, value: Any, expected: str) -> None:
+    _reject(_edit(GOOD, lambda h: h["f"].update({field: value})), P.InvalidField, field, expected)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("local_steps", 0),
+        ("batch_size", 0),
+        ("lr", 0.0),
+        ("lr", float("inf")),
+        ("deadline_s", -1),
+        ("upload", 1),
+        ("seed", False),
+        ("alpha", "0.5"),
+        ("model", "cnn"),
+        ("algorithm", None),
+    ],
+)
+def test_invalid_assignment_fields(field: str, value: Any) -> None:
+    _reject(_edit(P.encode(_assignment()), lambda h: h["f"].update({field: value})), P.InvalidField, repr(field))
+
+
+def test_int_accepted_for_float_and_none_for_alpha() -> None:
+    out = P.decode(_edit(P.encode(_assignment()), lambda h: h["f"].update(lr=1, alpha=None)))
+    assert out.lr == 1 and out.alpha is None
+
+
+def test_unknown_field() -> None:
+    _reject(_edit(GOOD, lambda h: h["f"].update(sneaky=1)), P.InvalidField, "unknown field 'sneaky'")
+
+
+def test_presence_role() -> None:
+    _reject(P.encode(P.Presence("a", True)).replace(b"client", b"master"), P.InvalidField, "role", "master")
+
+
+def test_shapes() -> None:
+    _reject(GOOD[:-4], P.ShapeMismatch, "expected 96 bytes", "got 92")
+    _reject(GOOD + b"\0" * 4, P.ShapeMismatch, "got 100")
+    _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(2, [3, 4])), P.ShapeMismatch, "'delta'", "1-D")
+    _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(2, [-12])), P.ShapeMismatch, "'delta'", "shape")
+    _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(2, 12)), P.ShapeMismatch, "'delta'", "shape")
+    _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(2, [1] * 33)), P.ShapeMismatch, "'x:dc'", "shape")
+    _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(1, "<f8")), P.InvalidField, "'delta'", "'<f4'", "'<f8'")
+    _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "delta")), P.InvalidField, "repeated")
+    _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "weights")), P.InvalidField, "weights")
+    _reject(_edit(P.encode(P.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
+
+
+def test_encode_rejects_bad_arrays() -> None:
+    with pytest.raises(P.InvalidField, match="1-D"):
+        P.encode(_update(delta=np.zeros((2, 2), np.float32)))
+    with pytest.raises(P.InvalidField, match="float"):
+        P.encode(_update(delta=np.arange(3)))
+    with pytest.raises(P.InvalidField, match="float"):
+        P.encode(_update(arrays={"c": [1.0, 2.0]}))
+    with pytest.raises(P.InvalidField, match="arrays"):
+        P.encode(_update(arrays={"": np.zeros(1, np.float32)}))
+    with pytest.raises(P.InvalidField, match="local_steps"):
+        P.encode(_update(local_steps=-1))
+    with pytest.raises(P.InvalidField, match="serialised"):
+        P.encode(_update(metrics={"x": object()}))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite(bad: float) -> None:
+    delta = np.ones(12, np.float32)
+    delta[[2, 5]] = bad
+    _reject(P.encode(_update(delta=delta)), P.NonFiniteValues, "'delta'", "2 non-finite")
+    extra = np.zeros(12, np.float32)
+    extra[0] = bad
+    _reject(P.encode(_update(arrays={"dc": extra})), P.NonFiniteValues, "'x:dc'", "1 non-finite")
+
+
+def test_nan_train_loss_is_reported_not_rejected() -> None:
+    assert np.isnan(P.decode(P.encode(_update(train_loss=float("nan")))).train_loss)
+
+
+def test_too_large() -> None:
+    _reject(GOOD, P.MessageTooLarge, f"got {len(GOOD)}", max_bytes=len(GOOD) - 1)
+    assert P.decode(GOOD, max_bytes=len(GOOD)).client_id == "pi-01"
+
+
+def test_reasons_are_distinct() -> None:
+    classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
+    assert len({c.reason for c in classes}) == len(classes) == 12
+    assert all(issubclass(c, ValueError) for c in classes)
+
+
+# ---------------------------------------------------------------------------------------------------------- fuzz
+VALID = [bytes(P.encode(m)) for m in MESSAGES] + [bytes(f) for f in split(P.encode(_update()), 64)[:2]]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes(data: bytes) -> None:
+    with contextlib.suppress(P.ProtocolError):
+        P.decode(data)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=4))
+def test_fuzz_bit_flips(payload: bytes, flips: list[tuple[int, int]]) -> None:
+    buf = bytearray(payload)
+    for pos, bit in flips:
+        buf[pos % len(buf)] ^= 1 << bit
+    with contextlib.suppress(P.ProtocolError):
+        P.decode(bytes(buf))
+    with contextlib.suppress(P.ProtocolError):
+        Reassembler().feed("pi-01", bytes(buf))
