@@ -1,0 +1,132 @@
+"""Models trained on the device and helpers that move their weights as one flat float32 vector.
+
+The wire format and every algorithm work on flat vectors of *trainable* parameters (ALGORITHMS.md C6), so the
+flattening order (``model.parameters()``) is the single contract between client and server.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["MLP", "MODELS", "TacoCNN", "build_model", "get_flat", "num_params", "set_flat"]
+
+
+class TacoCNN(nn.Module):
+    """NIID-Bench SimpleCNN, the CNN of the TACO paper (two 5x5 convs, three FC layers, ReLU)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28) -> None:
+        super().__init__()
+        # conv5 (-4) -> pool2 (//2) -> conv5 (-4) -> pool2 (//2): 28 -> 4, 32 -> 5; the smallest valid side is 16.
+        side = ((image_size - 4) // 2 - 4) // 2
+        if side < 1:
+            raise ValueError(f"image_size={image_size} is too small for the 'cnn' model (needs >= 16); use 'mlp'")
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Linear(16 * side * side, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+            nn.Linear(84, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class MLP(nn.Module):
+    """Fully connected network for tabular or small flattened inputs (e.g. digits 8x8, adult)."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (200, 200)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, int(h)), nn.ReLU()]
+            width = int(h)
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+MODELS: dict[str, type[nn.Module]] = {"cnn": TacoCNN, "mlp": MLP}
+
+
+def build_model(spec: Mapping[str, Any]) -> nn.Module:
+    """Build a model from a config/wire spec ``{"name": ..., **kwargs}`` with errors that name the bad key."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"model spec must be a mapping with a 'name' key, got {type(spec).__name__}")
+    kwargs = dict(spec)
+    name = kwargs.pop("name", None)
+    if name not in MODELS:
+        raise ValueError(f"model 'name' = {name!r} is not known; valid names: {', '.join(sorted(MODELS))}")
+    cls = MODELS[name]
+    params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise ValueError(f"model {name!r}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(params)}")
+    missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kwargs]
+    if missing:
+        raise ValueError(f"model {name!r}: missing key(s) {', '.join(missing)}; valid keys: {', '.join(params)}")
+    for key, value in kwargs.items():
+        if key == "hidden":
+            ok = isinstance(value, Sequence) and not isinstance(value, str)
+            ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+        else:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if not ok:
+            want = "a list of positive integers" if key == "hidden" else "a positive integer"
+            raise ValueError(f"model {name!r}: key {key!r} must be {want}, got {value!r}")
+    return cls(**kwargs)
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of trainable parameters, i.e. the length of the flat vector on the wire."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def get_flat(model: nn.Module) -> np.ndarray:
+    """A float32 1-D copy of the trainable parameters, in ``model.parameters()`` order."""
+    params = _trainable(model)
+    if not params:
+        return np.zeros(0, dtype=np.float32)
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32).cpu() for p in params])
+    return flat.numpy()  # torch.cat already made fresh memory
+
+
+def set_flat(model: nn.Module, flat: np.ndarray) -> None:
+    """Copy a flat vector (as produced by :func:`get_flat`) into the trainable parameters in place."""
+    flat = np.asarray(flat)
+    expected = num_params(model)
+    if flat.ndim != 1 or flat.size != expected:
+        raise ValueError(f"flat weight vector has wrong length: expected {expected}, got shape {flat.shape}")
+    with warnings.catch_warnings():
+        # Decoded wire arrays are read-only views of the payload; they are only read here, never written.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        src = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32))
+    offset = 0
+    with torch.no_grad():
+        for p in _trainable(model):
+            n = p.numel()
+            p.copy_(src[offset : offset + n].view_as(p))
+            offset += n
