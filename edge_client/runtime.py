@@ -1,0 +1,167 @@
+"""The device runtime: register with the server, train on each assignment, report the update.
+
+``EdgeClient`` is also the Python API for applications that bring their own model and data::
+
+    client = EdgeClient("pi-kitchen", my_dataset, LinkConfig("mqtts://broker:8883", "pi-kitchen", password),
+                        model_factory=lambda spec: MyNet())
+    client.run()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from edge_client import device
+from edge_client.algorithms import client_algorithm
+from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.models import build_model, num_params
+from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
+from edge_client.topics import Topics, validate_client_id
+from edge_client.trainer import prepare_process, train_local
+from edge_client.transport import LinkConfig, MqttLink
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[dict[str, Any]], nn.Module]
+
+
+class EdgeClient:
+    """One device: its identity, its local data, and one MQTT link to the broker."""
+
+    def __init__(
+        self,
+        client_id: str,
+        dataset: ArrayDataset,
+        link_config: LinkConfig,
+        *,
+        job: str = "default",
+        model_factory: ModelFactory = build_model,
+        threads: int = 1,
+    ) -> None:
+        self.client_id = validate_client_id(client_id)
+        self.dataset = dataset
+        self.topics = Topics(job)
+        self.model_factory = model_factory
+        self.threads = threads
+        self.rounds_done = 0
+        self._model: nn.Module | None = None
+        self._model_spec: dict[str, Any] | None = None
+        self._sampler: BatchSampler | None = None
+        self._sampler_key: tuple[int, int] | None = None
+        self._algorithms: dict[str, ClientAlgorithm] = {}
+        self._last_upload: dict[str, float] = {}
+        will = encode(Presence(client_id=self.client_id, online=False, reason="connection lost"))
+        self.link = MqttLink(
+            link_config,
+            f"edgefl-{job}-{self.client_id}",
+            [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server],
+            will=(self.topics.up(self.client_id), will, False),
+            on_connect=self._say_hello,
+        )
+
+    def _say_hello(self) -> None:
+        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())
+        self.link.publish(self.topics.up(self.client_id), encode(hello))
+
+    def run(self, max_rounds: int | None = None) -> None:
+        """Serve assignments until the server says stop (or ``max_rounds`` updates were sent)."""
+        prepare_process(self.threads)
+        self.link.start()
+        log.info("%s connected with %d samples; waiting for assignments", self.client_id, len(self.dataset))
+        try:
+            while max_rounds is None or self.rounds_done < max_rounds:
+                received = self.link.receive(timeout=1.0)
+                if received is None:
+                    continue
+                _, msg = received
+                if isinstance(msg, Stop):
+                    log.info("server says stop: %s", msg.reason)
+                    break
+                if isinstance(msg, Presence) and msg.role == "server" and msg.online:
+                    self._say_hello()  # the server (re)started: register again
+                elif isinstance(msg, Assignment):
+                    self._serve(msg)
+            self.link.wait_published(timeout=30.0)
+        finally:
+            self.link.publish(
+                self.topics.up(self.client_id), encode(Presence(client_id=self.client_id, online=False, reason="done"))
+            )
+            self.link.wait_published(timeout=5.0)
+            self.link.stop()
+
+    def _model_for(self, spec: dict[str, Any]) -> nn.Module:
+        if self._model is None or spec != self._model_spec:
+            self._model, self._model_spec = self.model_factory(spec), dict(spec)
+        return self._model
+
+    def _serve(self, assignment: Assignment) -> None:
+        model = self._model_for(assignment.model)
+        if num_params(model) != assignment.weights.size:
+            log.error(
+                "round %d: the server's model has %d parameters, this client's model %d; skipping the round",
+                assignment.round,
+                assignment.weights.size,
+                num_params(model),
+            )
+            return
+        if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
+            self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
+            self._sampler_key = (assignment.batch_size, assignment.seed)
+        algorithm = self._algorithms.get(assignment.algorithm)
+        if algorithm is None:
+            algorithm = self._algorithms[assignment.algorithm] = client_algorithm(assignment.algorithm)
+
+        bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
+        before = device.snapshot()
+        result = train_local(model, self.dataset, self._sampler, assignment, algorithm)
+        after = device.snapshot()
+        extras, arrays = algorithm.end_round(model, assignment, result.delta)
+        if not assignment.upload:
+            return
+
+        t0 = time.perf_counter()
+        update = Update(
+            round=assignment.round,
+            model_version=assignment.model_version,
+            client_id=self.client_id,
+            num_samples=len(self.dataset),
+            local_steps=result.local_steps,
+            compute_s=result.compute_s,
+            cpu_s=result.cpu_s,
+            train_loss=result.train_loss,
+            delta=result.delta,
+            metrics={
+                "threads": self.threads,
+                "before": before,
+                "after": after,
+                "bytes_down": bytes_down,
+                "last_upload": self._last_upload,
+            },
+            extras=extras,
+            arrays=arrays,
+        )
+        payload = encode(update)
+        serialize_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        sent = self.link.publish(self.topics.up(self.client_id), payload)
+        self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
+        # Serialising and uploading happen after the update is built, so they travel with the next one.
+        self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}
+        self.rounds_done += 1
+        log.info(
+            "round %d: %d steps in %.3f s (cpu %.3f s), loss %.4f, serialise %.3f s, upload %d bytes in %.3f s",
+            assignment.round,
+            result.local_steps,
+            result.compute_s,
+            result.cpu_s,
+            result.train_loss,
+            serialize_s,
+            sent,
+            self._last_upload["upload_s"],
+        )

@@ -1,0 +1,245 @@
+"""MQTT link shared by the device runtime and the server.
+
+Everything paho-mqtt gets wrong by default is set here once (RESEARCH.md section 1): VERSION2 callbacks and MQTT v5,
+QoS 1 with a persistent session (clean_start=False plus a session expiry), TCP_NODELAY (paho never sets it), a
+keepalive long enough for slow uploads, automatic reconnect, and a size check against the broker's maximum packet
+size before publishing (an oversized publish makes paho reconnect and resend it forever). Payloads larger than the
+chunk size travel as chunk frames; the receiving side reassembles, de-duplicates and validates them on the caller's
+thread, never on paho's network thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import ssl
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge_client import chunking
+from edge_client.protocol import Message, MessageTooLarge, ProtocolError
+
+log = logging.getLogger(__name__)
+
+#: Bytes an MQTT PUBLISH adds around topic and payload (fixed header, length fields, packet id, properties).
+PUBLISH_OVERHEAD = 64
+
+
+@dataclass
+class LinkConfig:
+    """How to reach the broker. ``url`` is ``mqtt://host:port`` or ``mqtts://host:port`` (TLS)."""
+
+    url: str
+    username: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    tls_insecure: bool = False
+    keepalive: int = 60
+    session_expiry_s: int = 3600
+    chunk_size: int = chunking.DEFAULT_CHUNK_SIZE
+    max_message_bytes: int = 256 * 2**20
+    max_queued: int = 10000
+    connect_timeout_s: float = 30.0
+
+    def endpoint(self) -> tuple[str, int, bool]:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ValueError(f"broker URL {self.url!r} must look like mqtt://HOST:PORT or mqtts://HOST:PORT")
+        tls = parts.scheme == "mqtts"
+        return parts.hostname, parts.port or (8883 if tls else 1883), tls
+
+
+class MqttLink:
+    """One MQTT connection: publish (chunked, size-checked, QoS 1) and receive validated messages."""
+
+    def __init__(
+        self,
+        config: LinkConfig,
+        mqtt_client_id: str,
+        subscriptions: Iterable[str],
+        *,
+        will: tuple[str, bytes, bool] | None = None,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.subscriptions = list(subscriptions)
+        self.rejections: Counter[str] = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._bytes_by_topic: Counter[str] = Counter()
+        self.max_packet_size: int | None = None
+        self._on_connect_hook = on_connect
+        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._reassembler = chunking.Reassembler(max_message_bytes=config.max_message_bytes)
+        self._connected = threading.Event()
+        self._connect_error: str | None = None
+        self._lock = threading.Condition()
+        self._pending: set[int] = set()
+        self._acked_early: set[int] = set()
+
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=mqtt_client_id, protocol=MQTTProtocolVersion.MQTTv5)
+        client.max_queued_messages_set(config.max_queued)
+        client.reconnect_delay_set(min_delay=1, max_delay=30)
+        if config.username:
+            client.username_pw_set(config.username, config.password)
+        _, _, tls = config.endpoint()
+        if tls:
+            client.tls_set(ca_certs=config.ca_file, cert_reqs=ssl.CERT_REQUIRED)
+            client.tls_insecure_set(config.tls_insecure)
+        if will:
+            client.will_set(will[0], will[1], qos=1, retain=will[2])
+        client.on_connect = self._handle_connect
+        client.on_disconnect = self._handle_disconnect
+        client.on_message = self._handle_message
+        client.on_publish = self._handle_publish
+        self._client = client
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> MqttLink:
+        """Connect and wait for the first CONNACK; later reconnects happen on their own."""
+        host, port, _ = self.config.endpoint()
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self.config.session_expiry_s
+        self._client.connect_async(host, port, keepalive=self.config.keepalive, clean_start=False, properties=props)
+        self._client.loop_start()
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while not self._connected.wait(0.05):
+            if self._connect_error or time.monotonic() > deadline:
+                self.stop()
+                raise ConnectionError(
+                    f"could not connect to {self.config.url} as {self.config.username!r}: "
+                    + (self._connect_error or f"no answer within {self.config.connect_timeout_s:.0f} s")
+                )
+        return self
+
+    def stop(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    # -- paho callbacks (network thread: keep them short) ------------------------------------------------------
+    def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            self._connect_error = f"broker refused the connection: {reason_code}"
+            if reason_code.value in (0x86, 0x87):  # bad user name or password / not authorized
+                self._connect_error += " (check the username and password)"
+            log.warning("%s", self._connect_error)
+            return
+        sock = client.socket()
+        if isinstance(sock, socket.socket):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.max_packet_size = getattr(properties, "MaximumPacketSize", None) if properties else None
+        client.subscribe([(topic, 1) for topic in self.subscriptions])
+        self._connect_error = None
+        self._connected.set()
+        log.info("connected to %s (session present: %s)", self.config.url, flags.session_present)
+        if self._on_connect_hook:
+            self._on_connect_hook()
+
+    def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connected.clear()
+        if reason_code.is_failure:
+            log.warning("disconnected from %s: %s; reconnecting", self.config.url, reason_code)
+
+    def _handle_message(self, client, userdata, msg) -> None:
+        self._inbox.put((msg.topic, msg.payload))
+
+    def _handle_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        with self._lock:
+            if mid in self._pending:
+                self._pending.discard(mid)
+            else:  # paho may acknowledge before publish() has returned the mid to us
+                self._acked_early.add(mid)
+            self._lock.notify_all()
+
+    # -- publishing ------------------------------------------------------------------------------------------------
+    def chunk_size(self) -> int:
+        """The configured chunk size, shrunk to fit the broker's maximum packet size when that is smaller."""
+        size = self.config.chunk_size
+        if self.max_packet_size:
+            size = min(size, self.max_packet_size - PUBLISH_OVERHEAD - 1024)
+        return size
+
+    def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False) -> int:
+        """Queue ``payload`` for delivery with QoS 1 and return the bytes put on the wire.
+
+        Delivery survives reconnects (paho keeps the message and resends it); ``wait_published`` waits for the
+        broker's acknowledgements.
+        """
+        frames = chunking.split(payload, self.chunk_size())
+        limit = self.max_packet_size
+        sent = 0
+        for frame in frames:
+            size = len(frame) + len(topic) + PUBLISH_OVERHEAD
+            if limit and size > limit:
+                raise MessageTooLarge(
+                    f"a frame of {size} bytes exceeds the broker's maximum packet size of {limit} bytes; "
+                    "lower the chunk size or raise max_packet_size in the broker"
+                )
+            info = self._client.publish(topic, frame, qos=1, retain=retain)
+            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                raise ConnectionError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+            with self._lock:
+                if info.mid in self._acked_early:
+                    self._acked_early.discard(info.mid)
+                else:
+                    self._pending.add(info.mid)
+            sent += len(frame)
+        self.bytes_out += sent
+        return sent
+
+    def wait_published(self, timeout: float) -> bool:
+        """True once the broker acknowledged everything published so far."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._lock.wait(remaining)
+        return True
+
+    # -- receiving -------------------------------------------------------------------------------------------------
+    def receive(self, timeout: float) -> tuple[str, Message] | None:
+        """The next valid message and its topic, or None when ``timeout`` passes without one.
+
+        Malformed, duplicated or otherwise invalid frames are logged, counted in ``rejections`` and skipped.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                topic, payload = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return None
+            self.bytes_in += len(payload)
+            self._bytes_by_topic[topic] += len(payload)
+            try:
+                msg = self._reassembler.feed(topic, payload)
+            except ProtocolError as exc:
+                self.reject(topic, exc)
+                continue
+            if msg is not None:
+                return topic, msg
+
+    def take_bytes_in(self, topic: str) -> int:
+        """Bytes received on ``topic`` since the last call (what one client sent in one round)."""
+        return self._bytes_by_topic.pop(topic, 0)
+
+    def reject(self, topic: str, exc: ProtocolError) -> None:
+        """Count and log a message that failed validation (also used by callers for semantic checks)."""
+        self.rejections[exc.reason] += 1
+        log.warning("rejected message on %s: %s: %s", topic, type(exc).__name__, exc)
