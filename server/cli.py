@@ -1,0 +1,229 @@
+"""`edge-server`: start a broker, run the server against devices, or simulate a whole federation here."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from edge_client.transport import LinkConfig
+from server.config import ConfigError, RunConfig, load_config, override
+
+log = logging.getLogger("edgefl.server")
+
+# flag -> (config key, type, help)
+RUN_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
+    "--dataset": ("data__dataset", str, "mnist, digits, or a path to an .npz / idx directory"),
+    "--rounds": ("run__rounds", int, "number of rounds"),
+    "--local-steps": ("train__local_steps", int, "local SGD steps per round (tau)"),
+    "--batch-size": ("train__batch_size", int, "mini-batch size"),
+    "--lr": ("train__lr", float, "local learning rate"),
+    "--target-accuracy": ("run__target_accuracy", float, "test accuracy counted as reached (time-to-accuracy)"),
+    "--seed": ("run__seed", int, "seed for initialisation, partition and sampling"),
+    "--out": ("run__out", str, "output directory for metrics.jsonl, summary.json, report.png"),
+    "--fraction": ("clients__fraction", float, "fraction C of clients selected per round"),
+    "--round-deadline": ("clients__round_deadline_s", float, "seconds a round waits for updates"),
+    "--job": ("run__job", str, "job name (topic namespace)"),
+    "--broker": ("broker__url", str, "use this broker (mqtt://HOST:PORT or mqtts://...) instead of starting one"),
+    "--username": ("broker__username", str, "broker username of the server"),
+    "--ca-file": ("broker__ca_file", str, "CA certificate for an mqtts:// broker"),
+}
+
+
+def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, type, str]]) -> None:
+    parser.add_argument("--config", help="TOML run configuration (flags override it)")
+    for flag, (dest, kind, text) in {**RUN_FLAGS, **extra}.items():
+        parser.add_argument(flag, dest=dest, type=kind, help=text)
+    parser.add_argument(
+        "--stop-at-target",
+        dest="run__stop_at_target",
+        action="store_const",
+        const=True,
+        help="stop as soon as the target accuracy is reached",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    flags = {k: v for k, v in vars(args).items() if "__" in k}
+    return override(load_config(args.config), **flags)
+
+
+def _setup_logging(out_dir: Path, verbose: bool) -> None:
+    from rich.logging import RichHandler
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(out_dir / "server.log", mode="w")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = RichHandler(level=logging.INFO if verbose else logging.WARNING, show_path=False, markup=False)
+    logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
+
+
+@contextlib.contextmanager
+def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterator[tuple[LinkConfig, Any]]:
+    """The server's link: to ``broker.url`` when given, else to a mosquitto started for this run."""
+    b = config.broker
+    if b.url:
+        password = b.password or os.environ.get("EDGEFL_PASSWORD")
+        yield LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size), None
+        return
+    from server.broker import Broker, BrokerSettings
+
+    broker = Broker(out_dir / "broker", BrokerSettings(server_user=b.username, devices=devices)).start()
+    try:
+        broker.write_credentials(out_dir / "broker" / "credentials.json")
+        creds = broker.server
+        yield LinkConfig(broker.url, creds.username, creds.password, chunk_size=b.chunk_size), broker
+    finally:
+        broker.stop()
+
+
+def _train(config: RunConfig, link: LinkConfig, bundle: Any, out_dir: Path) -> dict[str, Any]:
+    from server.evaluation import Evaluator
+    from server.orchestrator import Orchestrator
+    from server.progress import RoundProgress, summary_table
+
+    spec = config.model or bundle.model
+    extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
+    with RoundProgress(config.run.rounds) as progress:
+        orchestrator = Orchestrator(
+            config, link, Evaluator(spec, bundle.test), spec, out_dir, observer=progress, summary_extra=extra
+        )
+        summary = orchestrator.run()
+    progress.console.print(summary_table(summary))
+    progress.console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png and server.log")
+    return summary
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from server.datasets import load_dataset
+    from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+
+    config = _config(args)
+    out_dir = Path(config.run.out)
+    _setup_logging(out_dir, args.verbose)
+    bundle = load_dataset(config.data.dataset, seed=config.run.seed)
+    shards, table = prepare_shards(config, bundle, out_dir)
+    print(
+        f"{bundle.name}: {len(bundle.train)} training / {len(bundle.test)} test samples, partition "
+        f"{config.data.partition} over {config.clients.count} clients\n{table}",
+        file=sys.stderr,
+    )
+    ids = client_ids(config.clients.count)
+    with _broker_for(config, out_dir, ids) as (link, broker):
+        if broker is not None:
+            logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
+        else:  # an external broker: the clients share the server's login
+            logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
+        procs = start_clients(config, link.url, logins, shards, out_dir / "clients", link.ca_file)
+        try:
+            _train(config, link, bundle, out_dir)
+        finally:
+            codes = stop_clients(procs)
+            failed = {cid: code for cid, code in codes.items() if code}
+            if failed:
+                log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from server.datasets import load_dataset
+
+    config = _config(args)
+    out_dir = Path(config.run.out)
+    _setup_logging(out_dir, args.verbose)
+    bundle = load_dataset(config.data.dataset, seed=config.run.seed)
+    with _broker_for(config, out_dir, config.broker.devices) as (link, broker):
+        if broker is not None:
+            print(
+                f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
+                file=sys.stderr,
+            )
+        _train(config, link, bundle, out_dir)
+    return 0
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from server.broker import Broker, BrokerSettings
+
+    devices = [d for d in (args.devices or "").split(",") if d] + [f"device-{i:02d}" for i in range(args.clients)]
+    settings = BrokerSettings(host=args.host, port=args.port, devices=devices)
+    workdir = Path(args.dir)
+    with Broker(workdir, settings).start() as broker:
+        broker.write_credentials(workdir / "credentials.json")
+        print(f"mosquitto for edgefl listening at {broker.url}")
+        print(f"server login: {broker.server.username} / {broker.server.password}")
+        for cid, creds in broker.devices.items():
+            print(f"device login: {cid} / {creds.password}")
+        print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-server", description="edgefl server: federated training over MQTT")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="broker + server + N edge-client processes on this machine",
+        description="Start a broker, the server and N edge-client processes on this machine, all "
+        "talking through the broker exactly as devices would. With no flags: 10 clients train the "
+        "TACO CNN on MNIST with FedAvg.",
+    )
+    _add_run_flags(
+        sim,
+        {
+            "--clients": ("clients__count", int, "number of client processes"),
+            "--partition": ("data__partition", str, "iid or dirichlet:PHI"),
+            "--threads": ("clients__threads", int, "torch threads per client process"),
+        },
+    )
+    sim.set_defaults(func=cmd_simulate)
+
+    run = sub.add_parser(
+        "run",
+        help="run the server for real devices",
+        description="Orchestrate rounds for devices that connect to the broker on their own.",
+    )
+    _add_run_flags(run, {"--min-clients": ("clients__min_clients", int, "clients to wait for before round 1")})
+    run.set_defaults(func=cmd_run)
+
+    broker = sub.add_parser(
+        "broker",
+        help="start a mosquitto configured for edgefl and print its credentials",
+        description="Start mosquitto with a generated config, password file and ACL.",
+    )
+    broker.add_argument("--dir", default="edgefl-broker", help="directory for config, passwords, ACL, persistence")
+    broker.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    broker.add_argument("--port", type=int, help="port (default: a free one)")
+    broker.add_argument("--devices", help="comma-separated device ids to create logins for")
+    broker.add_argument("--clients", type=int, default=0, help="also create logins device-00 .. device-NN")
+    broker.set_defaults(func=cmd_broker)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, ConnectionError, TimeoutError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"edge-server: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Run configuration: a TOML file, overridable by command-line flags, validated with errors that name the key.
+
+```toml
+[run]        rounds, target_accuracy, stop_at_target, seed, out, job
+[clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, threads
+[data]       dataset, partition
+[model]      name plus the model's keyword arguments (default: the data set's model)
+[train]      algorithm, local_steps, batch_size, lr
+[algorithm.<name>]   that algorithm's hyper-parameters
+[broker]     url, username, password, ca_file, chunk_size, devices
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key and the fix."""
+
+
+@dataclass
+class RunSection:
+    rounds: int = 20
+    target_accuracy: float = 0.97
+    stop_at_target: bool = False
+    seed: int = 0
+    out: str = "runs/latest"
+    job: str = "default"
+
+
+@dataclass
+class ClientsSection:
+    count: int = 10  # simulate: client processes to start
+    min_clients: int = 0  # clients to wait for before round 1 (0: all of `count`)
+    fraction: float = 1.0  # C: fraction of available clients selected per round
+    register_timeout_s: float = 300.0
+    round_deadline_s: float = 120.0
+    threads: int = 1  # simulate: torch threads per client process
+
+
+@dataclass
+class DataSection:
+    dataset: str = "mnist"
+    partition: str = "iid"
+
+
+@dataclass
+class TrainSection:
+    algorithm: str = "fedavg"
+    local_steps: int = 50
+    batch_size: int = 64
+    lr: float = 0.1
+
+
+@dataclass
+class BrokerSection:
+    url: str = ""  # empty: edgefl starts a mosquitto of its own
+    username: str = "edgefl-server"
+    password: str = ""  # empty: the EDGEFL_PASSWORD environment variable
+    ca_file: str = ""
+    chunk_size: int = 1 << 20
+    devices: list[str] = field(default_factory=list)  # device ids to create credentials for (own broker only)
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    clients: ClientsSection = field(default_factory=ClientsSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    model: dict[str, Any] = field(default_factory=dict)
+    algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def min_clients(self) -> int:
+        return self.clients.min_clients or self.clients.count
+
+    def algorithm_params(self) -> dict[str, Any]:
+        return dict(self.algorithm.get(self.train.algorithm, {}))
+
+    def validate(self) -> RunConfig:
+        checks = [
+            ("run.rounds", self.run.rounds >= 1, "an integer >= 1"),
+            ("run.target_accuracy", 0.0 < self.run.target_accuracy <= 1.0, "a fraction in (0, 1], e.g. 0.97"),
+            ("clients.count", self.clients.count >= 1, "an integer >= 1"),
+            ("clients.min_clients", self.clients.min_clients >= 0, "an integer >= 0 (0 means clients.count)"),
+            ("clients.fraction", 0.0 < self.clients.fraction <= 1.0, "a fraction in (0, 1]"),
+            ("clients.register_timeout_s", self.clients.register_timeout_s > 0, "seconds > 0"),
+            ("clients.round_deadline_s", self.clients.round_deadline_s > 0, "seconds > 0"),
+            ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
+            ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
+            ("train.batch_size", self.train.batch_size >= 1, "an integer >= 1"),
+            ("train.lr", self.train.lr > 0, "a number > 0"),
+            ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                section, name = key.split(".")
+                value = getattr(getattr(self, section), name)
+                raise ConfigError(f"{key} must be {expected}; got {value!r}")
+        return self
+
+
+SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    """Coerce ints to floats where a float is expected; refuse everything else that does not match."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected in (int, float, str, bool) and (type(value) is not expected):
+        raise ConfigError(f"{key} must be of type {expected.__name__}; got {value!r} ({type(value).__name__})")
+    if expected == list[str] and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise ConfigError(f"{key} must be a list of strings; got {value!r}")
+    return value
+
+
+def _fill(section_name: str, instance: Any, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(instance))
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(
+                f"unknown key '{section_name}.{key}'; valid keys in [{section_name}]: {', '.join(sorted(hints))}"
+            )
+        setattr(instance, key, _check_type(f"{section_name}.{key}", value, hints[key]))
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    config = RunConfig()
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(sorted(SECTIONS))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of keys, got {values!r}")
+        if name == "model":
+            config.model = dict(values)
+        elif name == "algorithm":
+            for algo, params in values.items():
+                if not isinstance(params, dict):
+                    raise ConfigError(f"[algorithm.{algo}] must be a table of that algorithm's parameters")
+            config.algorithm = {k: dict(v) for k, v in values.items()}
+        else:
+            _fill(name, getattr(config, name), values)
+    return config.validate()
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """The configuration in ``path`` (all defaults when None)."""
+    if path is None:
+        return RunConfig().validate()
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def override(config: RunConfig, **flags: Any) -> RunConfig:
+    """Apply command-line flags given as ``section__key=value`` (None means not given)."""
+    for name, value in flags.items():
+        if value is None:
+            continue
+        section, key = name.split("__")
+        _fill(section, getattr(config, section), {key: value})
+    return config.validate()

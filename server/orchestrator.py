@@ -1,0 +1,361 @@
+"""The round loop over MQTT: register clients, select, assign, collect until a timer deadline, aggregate, evaluate.
+
+The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
+round; a client whose last will says it went offline is not waited for at all. Every update is checked against the
+round it was assigned for before it can reach the strategy: late, foreign, duplicated, mis-shaped or incomplete
+updates are rejected, logged and counted, and the round goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from edge_client.models import build_model, get_flat
+from edge_client.protocol import (
+    Assignment,
+    DuplicateMessage,
+    Hello,
+    InvalidField,
+    Message,
+    MissingField,
+    OutOfRound,
+    Presence,
+    ProtocolError,
+    ShapeMismatch,
+    Stop,
+    Update,
+    encode,
+)
+from edge_client.topics import Topics
+from edge_client.transport import LinkConfig, MqttLink
+from server.config import RunConfig
+from server.evaluation import Evaluator
+from server.report import MetricsLog, plot_report, summarize, write_summary
+from server.strategies import Strategy, TrainSettings, make_strategy
+
+log = logging.getLogger("edgefl.server")
+
+
+class RoundObserver(Protocol):
+    """Where the orchestrator reports progress (the console display, or nothing)."""
+
+    def waiting(self, text: str) -> None: ...
+
+    def round_done(self, row: dict[str, Any]) -> None: ...
+
+
+class _Silent:
+    def waiting(self, text: str) -> None:
+        pass
+
+    def round_done(self, row: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class ClientRecord:
+    client_id: str
+    num_samples: int
+    device: dict[str, Any] = field(default_factory=dict)
+    online: bool = True
+
+
+@dataclass
+class RoundState:
+    """What the collector needs to judge an update for the round in progress."""
+
+    round: int
+    model_version: int
+    selected: set[str]
+    received: dict[str, Update] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        config: RunConfig,
+        link_config: LinkConfig,
+        evaluator: Evaluator,
+        model_spec: dict[str, Any],
+        out_dir: Path,
+        *,
+        observer: RoundObserver | None = None,
+        summary_extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.model_spec = model_spec
+        self.evaluator = evaluator
+        self.out_dir = out_dir
+        self.observer = observer or _Silent()
+        self.summary_extra = summary_extra or {}
+        self.topics = Topics(config.run.job)
+        t = config.train
+        self.strategy: Strategy = make_strategy(
+            t.algorithm,
+            TrainSettings(t.local_steps, t.lr, t.batch_size, config.clients.fraction),
+            config.algorithm_params(),
+            config.run.seed,
+        )
+        self.clients: dict[str, ClientRecord] = {}
+        self.current: RoundState | None = None
+        offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
+        self.link = MqttLink(
+            link_config,
+            f"edgefl-server-{config.run.job}",
+            [self.topics.all_up],
+            will=(self.topics.server, offline, True),
+        )
+
+    # -- messages ----------------------------------------------------------------------------------------------------
+    def _handle(self, topic: str, msg: Message) -> None:
+        sender = self.topics.client_of(topic)
+        try:
+            if sender is None:
+                raise InvalidField(f"message on unexpected topic {topic!r}")
+            if isinstance(msg, Hello):
+                self._register(sender, msg)
+            elif isinstance(msg, Presence):
+                self._presence(sender, msg)
+            elif isinstance(msg, Update):
+                self._accept(topic, sender, msg)
+            else:
+                raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
+        except ProtocolError as exc:
+            self.link.reject(topic, exc)
+
+    def _register(self, sender: str, hello: Hello) -> None:
+        if hello.client_id != sender:
+            raise InvalidField(f"hello on the topic of {sender!r} claims client id {hello.client_id!r}")
+        known = self.clients.get(sender)
+        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
+        if known is None or not known.online:
+            log.info(
+                "client %s registered: %d samples, %s",
+                sender,
+                hello.num_samples,
+                {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count")},
+            )
+
+    def _presence(self, sender: str, presence: Presence) -> None:
+        record = self.clients.get(sender)
+        if record is not None and record.online != presence.online:
+            record.online = presence.online
+            log.info("client %s is %s (%s)", sender, "online" if presence.online else "offline", presence.reason)
+
+    def _accept(self, topic: str, sender: str, update: Update) -> None:
+        state = self.current
+        if update.client_id != sender:
+            raise InvalidField(f"update on the topic of {sender!r} claims client id {update.client_id!r}")
+        if state is None or update.round != state.round:
+            now = state.round if state else "no round"
+            raise OutOfRound(f"update from {sender} for round {update.round} arrived during round {now}; discarded")
+        if sender not in state.selected:
+            raise OutOfRound(f"{sender} was not selected for round {state.round}")
+        if sender in state.received:
+            raise DuplicateMessage(f"second update from {sender} for round {state.round}")
+        if update.model_version != state.model_version:
+            raise OutOfRound(
+                f"{sender} trained on model version {update.model_version}, round {state.round} sent version "
+                f"{state.model_version}"
+            )
+        if update.delta.size != self.num_params:
+            raise ShapeMismatch(f"{sender}: delta has {update.delta.size} values, the model has {self.num_params}")
+        missing = [k for k in self.strategy.required_extras if k not in update.extras]
+        missing += [k for k in self.strategy.required_arrays if k not in update.arrays]
+        if missing:
+            raise MissingField(f"{sender}: {self.strategy.name} updates must carry {missing}")
+        state.received[sender] = update
+        state.bytes_up[sender] = self.link.take_bytes_in(topic)
+        log.info(
+            "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
+            state.round,
+            sender,
+            update.local_steps,
+            update.compute_s,
+            update.cpu_s,
+            update.train_loss,
+        )
+
+    def _pump(self, timeout: float) -> None:
+        received = self.link.receive(timeout)
+        if received is not None:
+            self._handle(*received)
+
+    # -- phases ------------------------------------------------------------------------------------------------------
+    def online(self) -> list[str]:
+        return sorted(c for c, rec in self.clients.items() if rec.online)
+
+    def wait_for_clients(self, count: int) -> None:
+        deadline = time.monotonic() + self.config.clients.register_timeout_s
+        while len(self.online()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(self.online())} of {count} clients registered within "
+                    f"{self.config.clients.register_timeout_s:.0f} s ({self.online()}); start more clients or lower "
+                    "clients.min_clients"
+                )
+            self.observer.waiting(f"waiting for clients: {len(self.online())}/{count} registered")
+            self._pump(0.5)
+
+    def _assign(self, round_: int, version: int, weights: np.ndarray) -> tuple[RoundState, dict[str, Any]]:
+        selected = self.strategy.select(round_, self.online())
+        state = RoundState(round_, version, set(selected))
+        told: dict[str, Any] = {}
+        for cid in selected:
+            instr = self.strategy.instructions(round_, cid)
+            assignment = Assignment(
+                round=round_,
+                model_version=version,
+                local_steps=instr.local_steps,
+                lr=instr.lr,
+                batch_size=instr.batch_size,
+                deadline_s=self.config.clients.round_deadline_s,
+                algorithm=self.strategy.name,
+                model=self.model_spec,
+                weights=weights,
+                alpha=instr.alpha,
+                params=instr.params,
+                arrays=instr.arrays,
+                upload=instr.upload,
+                seed=self.config.run.seed,
+            )
+            told[cid] = {**instr.summary(), "bytes_down": self.link.publish(self.topics.down(cid), encode(assignment))}
+        return state, told
+
+    def _collect(self, state: RoundState) -> None:
+        deadline = time.monotonic() + self.config.clients.round_deadline_s
+        while True:
+            waiting = [c for c in state.selected if c not in state.received and self.clients[c].online]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                break
+            self._pump(min(remaining, 1.0))
+        for cid in sorted(state.selected - set(state.received)):
+            why = "went offline" if not self.clients[cid].online else "missed the deadline"
+            log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
+
+    def run(self) -> dict[str, Any]:
+        """Train for the configured rounds (or until the target, if asked) and write the run's outputs."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        metrics.path.write_text("")
+        torch.manual_seed(self.config.run.seed)
+        weights = get_flat(build_model(self.model_spec))
+        self.num_params = weights.size
+        self.link.start()
+        self.link.publish(
+            self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
+        )
+        try:
+            self.wait_for_clients(self.config.min_clients)
+            weights = self._train(weights, metrics)
+        finally:
+            self._shutdown()
+        summary = summarize(
+            metrics.rows,
+            self.config.run.target_accuracy,
+            algorithm=self.strategy.name,
+            num_params=int(self.num_params),
+            clients=len(self.clients),
+            rejected=dict(self.link.rejections),
+            **self.summary_extra,
+        )
+        write_summary(self.out_dir / "summary.json", summary)
+        if metrics.rows:
+            title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
+            plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
+        return summary
+
+    def _train(self, weights: np.ndarray, metrics: MetricsLog) -> np.ndarray:
+        start = time.monotonic()
+        version = 0
+        for round_ in range(1, self.config.run.rounds + 1):
+            if not self.online():
+                self.wait_for_clients(1)
+            t0 = time.monotonic()
+            rejected_before = Counter(self.link.rejections)
+            self.current, told = self._assign(round_, version, weights)
+            self._collect(self.current)
+            state, self.current = self.current, None
+            updates = [state.received[c] for c in sorted(state.received)]
+            t_agg = time.monotonic()
+            if updates:
+                weights = self.strategy.aggregate(round_, weights, updates)
+                if not np.all(np.isfinite(weights)):
+                    raise FloatingPointError(f"round {round_}: aggregation produced non-finite weights")
+                version += 1
+            t_eval = time.monotonic()
+            accuracy, loss = self.evaluator(weights)
+            done = time.monotonic()
+            row = {
+                "round": round_,
+                "elapsed_s": done - start,
+                "round_s": done - t0,
+                "aggregate_s": t_eval - t_agg,
+                "eval_s": done - t_eval,
+                "accuracy": accuracy,
+                "loss": loss,
+                "clients_selected": len(state.selected),
+                "clients_reported": len(updates),
+                "missing": sorted(state.selected - set(state.received)),
+                "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
+                "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
+                "instructions": told,
+                "rejected": dict(self.link.rejections - rejected_before),
+            }
+            metrics.append(row)
+            self._checkpoint(weights, round_, version)
+            self.observer.round_done(row)
+            if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
+                log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)
+                break
+        return weights
+
+    @staticmethod
+    def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "compute_s": u.compute_s,
+            "cpu_s": u.cpu_s,
+            "local_steps": u.local_steps,
+            "num_samples": u.num_samples,
+            "train_loss": u.train_loss,
+            "bytes_up": state.bytes_up.get(u.client_id, 0),
+            "bytes_down": told[u.client_id]["bytes_down"],
+            "device": u.metrics,
+        }
+
+    def _checkpoint(self, weights: np.ndarray, round_: int, version: int) -> None:
+        """The last completed round's model and algorithm state, replaced atomically."""
+        tmp = self.out_dir / "checkpoint.tmp.npz"
+        np.savez(
+            tmp,
+            weights=weights,
+            round=round_,
+            model_version=version,
+            model_spec=json.dumps(self.model_spec),
+            strategy=json.dumps(self.strategy.state_dict()),
+        )
+        os.replace(tmp, self.out_dir / "checkpoint.npz")
+
+    def _shutdown(self) -> None:
+        try:
+            self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished")))
+            self.link.publish(
+                self.topics.server,
+                encode(Presence(client_id="server", online=False, role="server", reason="stopped")),
+                retain=True,
+            )
+            self.link.wait_published(timeout=5.0)
+        finally:
+            self.link.stop()

@@ -1,0 +1,76 @@
+"""What the person running the server sees: a progress bar, one live line per round, a final table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class RoundProgress:
+    """Rich progress bar over rounds; each finished round is printed above it as one line."""
+
+    def __init__(self, rounds: int, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.rounds = rounds
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.task = self.progress.add_task("starting", total=rounds)
+
+    def __enter__(self) -> RoundProgress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def waiting(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def round_done(self, row: dict[str, Any]) -> None:
+        missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
+        rejected = f"  rejected {sum(row['rejected'].values())}" if row["rejected"] else ""
+        self.console.print(
+            f"round {row['round']:>3}/{self.rounds}  acc {row['accuracy']:.4f}  loss {row['loss']:.4f}  "
+            f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
+            f"slowest compute {row['slowest_compute_s']:.2f}s  elapsed {row['elapsed_s']:.1f}s{missing}{rejected}",
+            highlight=False,
+        )
+        self.progress.update(self.task, advance=1, description=f"training (acc {row['accuracy']:.4f})")
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The summary.json figures a reader wants first."""
+
+    def fmt(value: Any, unit: str = "") -> str:
+        if value is None:
+            return "not reached"
+        if isinstance(value, float):
+            return f"{value:.1f}{unit}" if unit else f"{value:.4f}"
+        return f"{value}{unit}"
+
+    table = Table(title="edgefl run summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    rows = [
+        ("algorithm", summary.get("algorithm")),
+        ("final accuracy", fmt(summary.get("final_accuracy"))),
+        ("best accuracy", fmt(summary.get("best_accuracy"))),
+        ("rounds", fmt(summary.get("rounds"))),
+        ("wall clock", fmt(summary.get("wall_clock_s"), " s")),
+        ("target accuracy", fmt(summary.get("target_accuracy"))),
+        ("rounds to target", fmt(summary.get("rounds_to_target"))),
+        ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
+        ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
+    ]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table

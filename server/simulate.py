@@ -1,0 +1,108 @@
+"""A whole federation on one machine: a broker, the server, and N real `edge-client` processes.
+
+The clients talk to the server only through the broker, exactly as devices would; each gets its shard of the data
+set as an .npz file, its own broker credentials (through the environment, never the command line) and a fixed
+number of torch threads so that two cores are shared predictably.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.config import RunConfig
+from server.datasets import DatasetBundle, format_histograms, label_histograms, partition, write_shards
+
+log = logging.getLogger("edgefl.simulate")
+
+
+@dataclass
+class ClientLogin:
+    username: str
+    password: str
+
+
+def client_ids(count: int) -> list[str]:
+    return [f"client-{i:02d}" for i in range(count)]
+
+
+def prepare_shards(config: RunConfig, bundle: DatasetBundle, out_dir: Path) -> tuple[list[Path], str]:
+    """Partition the training set, write one .npz per client, and return the label histogram table."""
+    ids = client_ids(config.clients.count)
+    parts = partition(bundle.train.y, len(ids), config.data.partition, config.run.seed)
+    shards = write_shards(bundle.train, parts, out_dir / "shards", ids)
+    hist = label_histograms(bundle.train.y, parts, bundle.num_classes)
+    table = format_histograms(hist, ids)
+    (out_dir / "label_histograms.txt").write_text(table + "\n")
+    return shards, table
+
+
+def start_clients(
+    config: RunConfig,
+    url: str,
+    logins: dict[str, ClientLogin],
+    shards: list[Path],
+    log_dir: Path,
+    ca_file: str | None = None,
+) -> dict[str, subprocess.Popen]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+    threads = str(config.clients.threads)
+    for cid, shard in zip(client_ids(config.clients.count), shards, strict=True):
+        login = logins[cid]
+        cmd = [
+            sys.executable,
+            "-m",
+            "edge_client.cli",
+            "run",
+            "--broker",
+            url,
+            "--client-id",
+            cid,
+            "--username",
+            login.username,
+            "--data",
+            str(shard),
+            "--job",
+            config.run.job,
+            "--threads",
+            threads,
+            "--chunk-size",
+            str(config.broker.chunk_size),
+        ]
+        if ca_file:
+            cmd += ["--ca-file", ca_file]
+        env = {
+            **os.environ,
+            "EDGEFL_PASSWORD": login.password,
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            "PYTHONUNBUFFERED": "1",
+        }
+        with (log_dir / f"{cid}.log").open("w") as fh:
+            procs[cid] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    log.info("started %d client processes; their logs are in %s", len(procs), log_dir)
+    return procs
+
+
+def stop_clients(procs: dict[str, subprocess.Popen], timeout: float = 30.0) -> dict[str, int]:
+    """Give clients ``timeout`` seconds to exit after the server's stop, then terminate, then kill."""
+    deadline = time.monotonic() + timeout
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for cid, proc in procs.items():
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("client %s did not exit; killing it", cid)
+            proc.kill()
+            proc.wait()
+    return {cid: proc.returncode for cid, proc in procs.items()}
