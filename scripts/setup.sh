@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up edgefl on a fresh Debian / Raspberry Pi OS machine: mosquitto from Debian, then a virtual environment
+# `.venv` with a CPU build of torch and edgefl with its server and test extras. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "setup: installing mosquitto from Debian" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq mosquitto mosquitto-clients >/dev/null
+fi
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+
+# An unpinned torch would pull the CUDA build (several GB). x86_64: the CPU build 2.13.0 (override with TORCH_SPEC);
+# aarch64: torch 2.10 dies with SIGILL on a Raspberry Pi 4 and >= 2.11 is a CUDA build.
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    case "$(uname -m)" in
+        aarch64) default_torch="torch>=2.5,<2.10" ;;
+        *) default_torch="torch==2.13.0" ;;
+    esac
+    echo "setup: installing ${TORCH_SPEC:-$default_torch}" >&2
+    .venv/bin/python -m pip install -q "${TORCH_SPEC:-$default_torch}"
+fi
+.venv/bin/python -m pip install -q -e '.[server,test]'
+echo "setup: ready (.venv/bin/edge-server, .venv/bin/edge-client)" >&2
