@@ -99,6 +99,7 @@ class MqttLink:
         if will:
             client.will_set(will[0], will[1], qos=1, retain=will[2])
         client.on_connect = self._handle_connect
+        client.on_subscribe = self._handle_subscribe
         client.on_disconnect = self._handle_disconnect
         client.on_message = self._handle_message
         client.on_publish = self._handle_publish
@@ -106,7 +107,7 @@ class MqttLink:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def start(self) -> MqttLink:
-        """Connect and wait for the first CONNACK; later reconnects happen on their own."""
+        """Connect and wait for the first CONNACK and SUBACK; later reconnects happen on their own."""
         host, port, _ = self.config.endpoint()
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = self.config.session_expiry_s
@@ -142,12 +143,20 @@ class MqttLink:
         if isinstance(sock, socket.socket):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.max_packet_size = getattr(properties, "MaximumPacketSize", None) if properties else None
-        client.subscribe([(topic, 1) for topic in self.subscriptions])
         self._connect_error = None
-        self._connected.set()
+        if self.subscriptions:  # ready once the broker confirmed the subscriptions (SUBACK)
+            client.subscribe([(topic, 1) for topic in self.subscriptions])
+        else:
+            self._connected.set()
         log.info("connected to %s (session present: %s)", self.config.url, flags.session_present)
         if self._on_connect_hook:
             self._on_connect_hook()
+
+    def _handle_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        refused = [str(rc) for rc in reason_codes if rc.is_failure]
+        if refused:
+            log.warning("broker refused subscriptions %s: %s", self.subscriptions, refused)
+        self._connected.set()
 
     def _handle_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connected.clear()
@@ -167,11 +176,14 @@ class MqttLink:
 
     # -- publishing ------------------------------------------------------------------------------------------------
     def chunk_size(self) -> int:
-        """The configured chunk size, shrunk to fit the broker's maximum packet size when that is smaller."""
+        """The configured chunk size, shrunk to fit the broker's maximum packet size when that is smaller.
+
+        Zero when the broker's limit leaves no room for a chunk frame's header.
+        """
         size = self.config.chunk_size
         if self.max_packet_size:
             size = min(size, self.max_packet_size - PUBLISH_OVERHEAD - 1024)
-        return size
+        return max(size, 0)
 
     def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False) -> int:
         """Queue ``payload`` for delivery with QoS 1 and return the bytes put on the wire.
@@ -179,16 +191,18 @@ class MqttLink:
         Delivery survives reconnects (paho keeps the message and resends it); ``wait_published`` waits for the
         broker's acknowledgements.
         """
-        frames = chunking.split(payload, self.chunk_size())
+        chunk_size = self.chunk_size()
+        frames = chunking.split(payload, chunk_size) if chunk_size else [payload]
         limit = self.max_packet_size
+        overhead = len(topic.encode()) + PUBLISH_OVERHEAD
+        largest = max(len(frame) for frame in frames) + overhead
+        if limit and largest > limit:  # checked for every frame before any is sent: no half-sent messages
+            raise MessageTooLarge(
+                f"a frame of {largest} bytes exceeds the broker's maximum packet size of {limit} bytes; "
+                "lower the chunk size or raise max_packet_size in the broker"
+            )
         sent = 0
         for frame in frames:
-            size = len(frame) + len(topic) + PUBLISH_OVERHEAD
-            if limit and size > limit:
-                raise MessageTooLarge(
-                    f"a frame of {size} bytes exceeds the broker's maximum packet size of {limit} bytes; "
-                    "lower the chunk size or raise max_packet_size in the broker"
-                )
             info = self._client.publish(topic, frame, qos=1, retain=retain)
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 raise ConnectionError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
