@@ -54,9 +54,9 @@ class Topics:
     def all_up(self) -> str:
         return f"{self.root}/c/+/up"
 
-    def client_of(self, topic: str) -> str | None:
-        """Client id of an up/down topic of this job, else None (the server trusts the topic, which the ACL guards)."""
+    def sender_of(self, topic: str) -> str | None:
+        """Client id of an ``up`` topic of this job, else None (the server trusts the topic, which the ACL guards)."""
         parts = topic.split("/") if isinstance(topic, str) else []
-        if len(parts) != 5 or parts[:3] != ["edgefl", self.job, "c"] or parts[4] not in ("up", "down"):
+        if len(parts) != 5 or parts[:3] != ["edgefl", self.job, "c"] or parts[4] != "up":
             return None
         return parts[3] if CLIENT_ID_RE.fullmatch(parts[3]) else None

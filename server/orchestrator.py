@@ -119,7 +119,7 @@ class Orchestrator:
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _handle(self, topic: str, msg: Message) -> None:
-        sender = self.topics.client_of(topic)
+        sender = self.topics.sender_of(topic)
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -148,6 +148,8 @@ class Orchestrator:
             )
 
     def _presence(self, sender: str, presence: Presence) -> None:
+        if presence.client_id != sender:
+            raise InvalidField(f"presence on the topic of {sender!r} claims client id {presence.client_id!r}")
         record = self.clients.get(sender)
         if record is not None and record.online != presence.online:
             record.online = presence.online
@@ -230,6 +232,7 @@ class Orchestrator:
                 upload=instr.upload,
                 seed=self.config.run.seed,
             )
+            self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
             told[cid] = {**instr.summary(), "bytes_down": self.link.publish(self.topics.down(cid), encode(assignment))}
         return state, told
 

@@ -37,10 +37,10 @@ def test_topics() -> None:
         t.job = "other"  # type: ignore[misc]
 
 
-def test_client_of() -> None:
+def test_sender_of() -> None:
     t = Topics("job1")
-    assert t.client_of("edgefl/job1/c/pi-01/up") == "pi-01"
-    assert t.client_of("edgefl/job1/c/pi-01/down") == "pi-01"
+    assert t.sender_of("edgefl/job1/c/pi-01/up") == "pi-01"
+    assert t.sender_of("edgefl/job1/c/pi-01/down") is None  # a down topic never carries a client's message
     for topic in [
         "edgefl/job2/c/pi-01/up",
         "edgefl/job1/c/pi-01/sideways",
@@ -51,4 +51,4 @@ def test_client_of() -> None:
         "other/job1/c/pi-01/up",
         "",
     ]:
-        assert t.client_of(topic) is None, topic
+        assert t.sender_of(topic) is None, topic
