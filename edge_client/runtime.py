@@ -100,22 +100,26 @@ class EdgeClient:
             self._model, self._model_spec = self.model_factory(spec), dict(spec)
         return self._model
 
+    def _algorithm_for(self, name: str) -> ClientAlgorithm:
+        """One instance per algorithm for the life of the process: client halves may keep state across rounds."""
+        if name not in self._algorithms:
+            self._algorithms[name] = client_algorithm(name)
+        return self._algorithms[name]
+
     def _serve(self, assignment: Assignment) -> None:
-        model = self._model_for(assignment.model)
-        if num_params(model) != assignment.weights.size:
-            log.error(
-                "round %d: the server's model has %d parameters, this client's model %d; skipping the round",
-                assignment.round,
-                assignment.weights.size,
-                num_params(model),
-            )
+        try:
+            model = self._model_for(assignment.model)
+            algorithm = self._algorithm_for(assignment.algorithm)
+            if num_params(model) != assignment.weights.size:
+                raise ValueError(
+                    f"the server's model has {assignment.weights.size} parameters, this client's {num_params(model)}"
+                )
+        except ValueError as exc:  # a round this device cannot serve must not end the client
+            log.error("round %d: cannot serve the assignment: %s; skipping the round", assignment.round, exc)
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
             self._sampler_key = (assignment.batch_size, assignment.seed)
-        algorithm = self._algorithms.get(assignment.algorithm)
-        if algorithm is None:
-            algorithm = self._algorithms[assignment.algorithm] = client_algorithm(assignment.algorithm)
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         before = device.snapshot()

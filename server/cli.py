@@ -53,8 +53,14 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
+    """The validated configuration, including the algorithm and its parameters, before anything is started."""
+    from server.strategies import TrainSettings, make_strategy
+
     flags = {k: v for k, v in vars(args).items() if "__" in k}
-    return override(load_config(args.config), **flags)
+    config = override(load_config(args.config), **flags)
+    t = config.train
+    make_strategy(t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params())
+    return config
 
 
 def _setup_logging(out_dir: Path, verbose: bool) -> None:
@@ -103,6 +109,26 @@ def _train(config: RunConfig, link: LinkConfig, bundle: Any, out_dir: Path) -> d
     return summary
 
 
+def _print_partition(bundle: Any, scheme: str, table: str) -> None:
+    print(
+        f"{bundle.name}: {len(bundle.train)} training / {len(bundle.test)} test samples, partition {scheme}; "
+        f"labels per client:\n{table}",
+        file=sys.stderr,
+    )
+
+
+def cmd_partition(args: argparse.Namespace) -> int:
+    from server.datasets import load_dataset
+    from server.simulate import client_ids, prepare_shards
+
+    ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
+    bundle = load_dataset(args.dataset, seed=args.seed)
+    shards, table = prepare_shards(bundle, ids, args.partition, args.seed, Path(args.out))
+    _print_partition(bundle, args.partition, table)
+    print(f"wrote {len(shards)} shards to {args.out}/ (copy <id>.npz to each device, pass it as --data)")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from server.datasets import load_dataset
     from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
@@ -111,23 +137,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
     bundle = load_dataset(config.data.dataset, seed=config.run.seed)
-    shards, table = prepare_shards(config, bundle, out_dir)
-    print(
-        f"{bundle.name}: {len(bundle.train)} training / {len(bundle.test)} test samples, partition "
-        f"{config.data.partition} over {config.clients.count} clients\n{table}",
-        file=sys.stderr,
-    )
     ids = client_ids(config.clients.count)
+    shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
+    _print_partition(bundle, config.data.partition, table)
     with _broker_for(config, out_dir, ids) as (link, broker):
         if broker is not None:
             logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
         else:  # an external broker: the clients share the server's login
             logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
         procs = start_clients(config, link.url, logins, shards, out_dir / "clients", link.ca_file)
+        finished = False
         try:
             _train(config, link, bundle, out_dir)
-        finally:
-            codes = stop_clients(procs)
+            finished = True
+        finally:  # after a failure no stop message went out: do not wait for the clients
+            codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
             failed = {cid: code for cid, code in codes.items() if code}
             if failed:
                 log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
@@ -157,6 +181,8 @@ def cmd_broker(args: argparse.Namespace) -> int:
     devices = [d for d in (args.devices or "").split(",") if d] + [f"device-{i:02d}" for i in range(args.clients)]
     settings = BrokerSettings(host=args.host, port=args.port, devices=devices)
     workdir = Path(args.dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before start: SIGTERM must always stop mosquitto too
     with Broker(workdir, settings).start() as broker:
         broker.write_credentials(workdir / "credentials.json")
         print(f"mosquitto for edgefl listening at {broker.url}")
@@ -164,8 +190,6 @@ def cmd_broker(args: argparse.Namespace) -> int:
         for cid, creds in broker.devices.items():
             print(f"device login: {cid} / {creds.password}")
         print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
     return 0
@@ -199,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_run_flags(run, {"--min-clients": ("clients__min_clients", int, "clients to wait for before round 1")})
     run.set_defaults(func=cmd_run)
+
+    part = sub.add_parser(
+        "partition",
+        help="split a data set into one .npz per device",
+        description="Partition a data set's training split and write <id>.npz per device, for edge-client run --data.",
+    )
+    part.add_argument("--dataset", default="mnist", help="mnist, digits, or a path to an .npz / idx directory")
+    part.add_argument("--partition", default="iid", help="iid or dirichlet:PHI")
+    part.add_argument("--clients", type=int, default=10, help="number of shards (ids client-00 ..)")
+    part.add_argument("--ids", help="comma-separated device ids instead of client-NN")
+    part.add_argument("--seed", type=int, default=0, help="partition seed")
+    part.add_argument("--out", default="shards", help="output directory")
+    part.set_defaults(func=cmd_partition)
 
     broker = sub.add_parser(
         "broker",

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunSection:
-    rounds: int = 20
+    rounds: int = 30
     target_accuracy: float = 0.97
     stop_at_target: bool = False
     seed: int = 0

@@ -43,6 +43,7 @@ class RoundProgress:
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
             f"slowest compute {row['slowest_compute_s']:.2f}s  elapsed {row['elapsed_s']:.1f}s{missing}{rejected}",
             highlight=False,
+            soft_wrap=True,
         )
         self.progress.update(self.task, advance=1, description=f"training (acc {row['accuracy']:.4f})")
 

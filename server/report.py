@@ -60,14 +60,24 @@ def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, 
     rounds = [r["round"] for r in rows]
     acc = [r["accuracy"] for r in rows]
     elapsed = [r["elapsed_s"] for r in rows]
+    reached = next((i for i, a in enumerate(acc) if a >= target_accuracy), None)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, xs, label in ((axes[0], rounds, "round"), (axes[1], elapsed, "wall-clock time (s)")):
         ax.plot(xs, acc, marker="o", markersize=3)
         ax.axhline(target_accuracy, color="grey", linestyle="--", linewidth=1, label=f"target {target_accuracy:.2f}")
+        if reached is not None:
+            ax.axvline(
+                xs[reached],
+                color="tab:green",
+                linestyle=":",
+                linewidth=1,
+                label=f"reached at {xs[reached]:.0f}" if ax is axes[0] else f"reached at {xs[reached]:.1f} s",
+            )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[0].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel("test accuracy")
-    axes[0].legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -31,14 +31,14 @@ def client_ids(count: int) -> list[str]:
     return [f"client-{i:02d}" for i in range(count)]
 
 
-def prepare_shards(config: RunConfig, bundle: DatasetBundle, out_dir: Path) -> tuple[list[Path], str]:
-    """Partition the training set, write one .npz per client, and return the label histogram table."""
-    ids = client_ids(config.clients.count)
-    parts = partition(bundle.train.y, len(ids), config.data.partition, config.run.seed)
-    shards = write_shards(bundle.train, parts, out_dir / "shards", ids)
-    hist = label_histograms(bundle.train.y, parts, bundle.num_classes)
-    table = format_histograms(hist, ids)
-    (out_dir / "label_histograms.txt").write_text(table + "\n")
+def prepare_shards(
+    bundle: DatasetBundle, ids: list[str], scheme: str, seed: int, shard_dir: Path
+) -> tuple[list[Path], str]:
+    """Partition the training set, write ``<id>.npz`` per client and the label histograms beside them."""
+    parts = partition(bundle.train.y, len(ids), scheme, seed)
+    shards = write_shards(bundle.train, parts, shard_dir, ids)
+    table = format_histograms(label_histograms(bundle.train.y, parts, bundle.num_classes), ids)
+    (shard_dir / "label_histograms.txt").write_text(table + "\n")
     return shards, table
 
 
