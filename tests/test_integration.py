@@ -62,7 +62,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
         config = make_config(tmp_path, job, clients, rounds, **clients_section)
         bundle = load_dataset("digits", seed=0)
         out = Path(config.run.out)
-        shards, _ = prepare_shards(config, bundle, out)
+        shards, _ = prepare_shards(bundle, client_ids(clients), "iid", 0, out / "shards")
         logins = {}
         for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
             creds = broker.devices.get(cid) or broker.add_device(cid)

@@ -1,0 +1,362 @@
+"""Server-side update validation and FedAvg aggregation in-process, then one short run over the real broker.
+
+The in-process tests drive ``Orchestrator._handle`` with message objects (no connection: constructing an
+Orchestrator does not connect) and check the rejection counters and the round's accepted updates. Each invalid
+update differs from a valid one in exactly one respect, so each test exercises exactly one check.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.models import build_model, get_flat
+from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
+from edge_client.topics import Topics
+from edge_client.transport import LinkConfig, MqttLink
+from server.broker import Broker
+from server.config import RunConfig, from_dict
+from server.datasets import load_dataset
+from server.evaluation import Evaluator
+from server.orchestrator import Orchestrator, RoundState
+from server.strategies import TrainSettings, make_strategy
+from server.strategies.fedavg import FedAvg
+
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits", seed=0)
+
+
+def make_config(tmp_path: Path, job: str, *, rounds: int = 3, count: int = 3, **extra: Any) -> RunConfig:
+    return from_dict(
+        {
+            "run": {"rounds": rounds, "out": str(tmp_path / "run"), "job": job, "seed": SEED},
+            "clients": {"count": count, "register_timeout_s": 60.0, "round_deadline_s": 60.0},
+            "data": {"dataset": "digits"},
+            "train": {"local_steps": 2, "batch_size": 8, "lr": 0.1},
+            **extra,
+        }
+    )
+
+
+def initial_weights(model_spec: dict[str, Any]) -> np.ndarray:
+    """What the orchestrator starts from: the model built right after torch.manual_seed(run.seed)."""
+    torch.manual_seed(SEED)
+    return get_flat(build_model(model_spec))
+
+
+@pytest.fixture
+def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
+    """An unconnected orchestrator in round 2 (model version 1) with c0 and c1 selected, c2 registered but not."""
+    job = f"o{uuid.uuid4().hex[:10]}"
+    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+    o = Orchestrator(make_config(tmp_path, job), link, Evaluator(digits.model, digits.test), digits.model, tmp_path)
+    o.num_params = initial_weights(digits.model).size
+    for cid in ("c0", "c1", "c2"):
+        o._handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
+    o.current = RoundState(round=2, model_version=1, selected={"c0", "c1"})
+    return o
+
+
+def update(orch: Orchestrator, cid: str, **changes: Any) -> Update:
+    """A valid update from ``cid`` for the orchestrator's current round, with ``changes`` applied."""
+    assert orch.current is not None
+    fields: dict[str, Any] = {
+        "round": orch.current.round,
+        "model_version": orch.current.model_version,
+        "client_id": cid,
+        "num_samples": 100,
+        "local_steps": 2,
+        "compute_s": 0.1,
+        "cpu_s": 0.1,
+        "train_loss": 0.5,
+        "delta": np.zeros(orch.num_params, dtype=np.float32),
+    }
+    fields.update(changes)
+    return Update(**fields)
+
+
+def send(orch: Orchestrator, cid: str, msg: Any) -> None:
+    orch._handle(orch.topics.up(cid), msg)
+
+
+# ---------------------------------------------------------------------------------------------- update validation
+def test_valid_update_is_accepted(orch: Orchestrator) -> None:
+    u = update(orch, "c0")
+    send(orch, "c0", u)
+    assert orch.current.received == {"c0": u}
+    assert not orch.link.rejections
+
+
+@pytest.mark.parametrize("round_", [1, 3], ids=["past_round", "future_round"])
+def test_update_for_another_round_is_out_of_round(orch: Orchestrator, round_: int) -> None:
+    send(orch, "c0", update(orch, "c0", round=round_))
+    assert orch.link.rejections == {"out_of_round": 1}
+    assert orch.current.received == {}
+
+
+def test_update_outside_any_round_is_out_of_round(orch: Orchestrator) -> None:
+    u = update(orch, "c0")
+    orch.current = None
+    send(orch, "c0", u)
+    assert orch.link.rejections == {"out_of_round": 1}
+
+
+def test_update_from_client_not_selected_is_out_of_round(orch: Orchestrator) -> None:
+    send(orch, "c2", update(orch, "c2"))
+    assert orch.link.rejections == {"out_of_round": 1}
+    assert orch.current.received == {}
+
+
+def test_second_update_in_a_round_is_a_duplicate(orch: Orchestrator) -> None:
+    first = update(orch, "c0")
+    send(orch, "c0", first)
+    send(orch, "c0", update(orch, "c0", delta=np.ones(orch.num_params, dtype=np.float32)))
+    assert orch.link.rejections == {"duplicate": 1}
+    assert orch.current.received == {"c0": first}  # the first one stands
+
+
+def test_model_version_mismatch_is_out_of_round(orch: Orchestrator) -> None:
+    send(orch, "c0", update(orch, "c0", model_version=0))
+    assert orch.link.rejections == {"out_of_round": 1}
+    assert orch.current.received == {}
+
+
+@pytest.mark.parametrize("delta_size", [0, 1, -1], ids=["empty", "one_more", "one_less"])
+def test_delta_of_wrong_length_is_a_shape_error(orch: Orchestrator, delta_size: int) -> None:
+    n = orch.num_params + delta_size if delta_size else 0
+    send(orch, "c0", update(orch, "c0", delta=np.zeros(n, dtype=np.float32)))
+    assert orch.link.rejections == {"shape": 1}
+    assert orch.current.received == {}
+
+
+def test_update_claiming_another_client_id_is_invalid(orch: Orchestrator) -> None:
+    send(orch, "c0", update(orch, "c1"))  # c1's update on c0's topic
+    assert orch.link.rejections == {"invalid_field": 1}
+    assert orch.current.received == {}
+
+
+@pytest.mark.parametrize("where", ["broadcast", "server", "sideways", "other_job"])
+def test_message_on_a_non_client_topic_is_invalid(orch: Orchestrator, where: str) -> None:
+    topic = {
+        "broadcast": orch.topics.broadcast,
+        "server": orch.topics.server,
+        "sideways": orch.topics.up("c0")[: -len("up")] + "sideways",
+        "other_job": Topics("elsewhere").up("c0"),
+    }[where]
+    orch._handle(topic, update(orch, "c0"))
+    assert orch.link.rejections == {"invalid_field": 1}
+    assert orch.current.received == {}
+
+
+@pytest.mark.parametrize("kind", ["assignment", "stop"])
+def test_server_messages_sent_by_a_client_are_invalid(orch: Orchestrator, kind: str) -> None:
+    msg = (
+        Stop(reason="bye")
+        if kind == "stop"
+        else Assignment(
+            round=2,
+            model_version=1,
+            local_steps=1,
+            lr=0.1,
+            batch_size=1,
+            deadline_s=1.0,
+            algorithm="fedavg",
+            model={},
+            weights=np.zeros(orch.num_params, dtype=np.float32),
+        )
+    )
+    send(orch, "c0", msg)
+    assert orch.link.rejections == {"invalid_field": 1}
+
+
+class FedAvgWithBeta(FedAvg):
+    name = "fedavg-beta"
+    required_extras: ClassVar[tuple[str, ...]] = ("beta",)
+    required_arrays: ClassVar[tuple[str, ...]] = ("control",)
+
+
+def test_missing_required_extras_and_arrays_are_rejected(orch: Orchestrator) -> None:
+    orch.strategy = FedAvgWithBeta(TrainSettings(2, 0.1, 8))
+    control = {"control": np.zeros(3, dtype=np.float32)}
+    send(orch, "c0", update(orch, "c0", arrays=control))  # no beta
+    send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}))  # no control array
+    assert orch.link.rejections == {"missing_field": 2}
+    assert orch.current.received == {}
+    ok = update(orch, "c0", extras={"beta": 0.5}, arrays=control)
+    send(orch, "c0", ok)
+    assert orch.current.received == {"c0": ok}
+
+
+def test_rejections_do_not_block_a_later_valid_update(orch: Orchestrator) -> None:
+    send(orch, "c0", update(orch, "c0", round=1))
+    send(orch, "c0", update(orch, "c0", delta=np.zeros(5, dtype=np.float32)))
+    u = update(orch, "c0")
+    send(orch, "c0", u)
+    assert orch.link.rejections == {"out_of_round": 1, "shape": 1}
+    assert orch.current.received == {"c0": u}
+
+
+# ---------------------------------------------------------------------------------------------- registration
+def test_hello_registers_and_presence_offline_marks_offline(orch: Orchestrator) -> None:
+    send(orch, "c3", Hello(client_id="c3", num_samples=250, device={"hostname": "pi3"}))
+    rec = orch.clients["c3"]
+    assert (rec.num_samples, rec.device, rec.online) == (250, {"hostname": "pi3"}, True)
+    assert "c3" in orch.online()
+
+    send(orch, "c3", Presence(client_id="c3", online=False, reason="connection lost"))
+    assert orch.clients["c3"].online is False
+    assert "c3" not in orch.online()
+
+    send(orch, "c3", Hello(client_id="c3", num_samples=260))  # back again
+    assert orch.clients["c3"].online is True and orch.clients["c3"].num_samples == 260
+    assert not orch.link.rejections
+
+
+def test_hello_claiming_another_client_id_is_rejected(orch: Orchestrator) -> None:
+    send(orch, "c4", Hello(client_id="c5", num_samples=1))
+    assert orch.link.rejections == {"invalid_field": 1}
+    assert "c4" not in orch.clients and "c5" not in orch.clients
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+def fedavg_expected(w: np.ndarray, deltas: list[np.ndarray], p: list[float]) -> np.ndarray:
+    """w_next = w - sum_i p_i delta_i, in float64."""
+    acc = w.astype(np.float64).copy()
+    for p_i, d in zip(p, deltas, strict=True):
+        acc -= p_i * d.astype(np.float64)
+    return acc
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_fedavg_aggregates_the_received_updates(orch: Orchestrator, weighting: str) -> None:
+    orch.strategy = make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": weighting})
+    orch.current = RoundState(round=2, model_version=1, selected={"c0", "c1", "c2"})  # c2 never reports
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(orch.num_params).astype(np.float32)
+    samples = {"c0": 30, "c1": 90}
+    deltas = {cid: rng.standard_normal(orch.num_params).astype(np.float32) for cid in samples}
+    for cid in samples:
+        send(orch, cid, update(orch, cid, num_samples=samples[cid], delta=deltas[cid]))
+    updates = [orch.current.received[c] for c in sorted(orch.current.received)]
+    assert [u.client_id for u in updates] == ["c0", "c1"]
+
+    got = orch.strategy.aggregate(2, w, updates)
+
+    # renormalised over the two that arrived: uniform 1/2 each (not 1/3), samples 30/120 and 90/120
+    p = [0.5, 0.5] if weighting == "uniform" else [0.25, 0.75]
+    want = fedavg_expected(w, [deltas["c0"], deltas["c1"]], p)
+    assert got.dtype == np.float32 and got.shape == w.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    other = [0.25, 0.75] if weighting == "uniform" else [0.5, 0.5]  # the other weighting is measurably different
+    assert not np.allclose(got, fedavg_expected(w, [deltas["c0"], deltas["c1"]], other), rtol=1e-5, atol=1e-5)
+
+
+def test_fedavg_samples_weighting_falls_back_to_uniform_without_samples() -> None:
+    strategy = make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": "samples"})
+    w = np.array([1.0, 2.0, 3.0], dtype=np.float32)
+    d0, d1 = np.array([1.0, 0.0, -2.0], dtype=np.float32), np.array([3.0, 4.0, 2.0], dtype=np.float32)
+    us = [Update(1, 0, cid, 0, 1, 0.0, 0.0, 0.0, d) for cid, d in (("c0", d0), ("c1", d1))]  # num_samples = 0 for both
+    np.testing.assert_allclose(strategy.aggregate(1, w, us), [-1.0, 0.0, 3.0], rtol=1e-6)
+
+
+def test_fedavg_single_update_applies_its_whole_delta() -> None:
+    strategy = make_strategy("fedavg", TrainSettings(2, 0.1, 8))
+    w = np.array([0.5, -0.5], dtype=np.float32)
+    u = Update(1, 0, "c0", 10, 1, 0.0, 0.0, 0.0, np.array([0.25, -0.25], dtype=np.float32))
+    np.testing.assert_array_equal(strategy.aggregate(1, w, [u]), [0.25, -0.25])
+
+
+# ---------------------------------------------------------------------------------------------- a real run
+class FakeClient:
+    """Protocol-level client over MQTT, no training: answers each assignment with a zero delta.
+
+    Right after round ``late_round`` begins it first sends a huge update for the round before it (as a client that
+    finished that round late would), then its valid update.
+    """
+
+    def __init__(self, broker: Broker, topics: Topics, cid: str, late_round: int) -> None:
+        creds = broker.devices[cid]
+        self.cid, self.topics, self.late_round = cid, topics, late_round
+        self.link = MqttLink(
+            LinkConfig(broker.url, creds.username, creds.password),
+            f"fake-{cid}-{uuid.uuid4().hex[:8]}",
+            [topics.down(cid), topics.broadcast, topics.server],
+        )
+        self.stop = threading.Event()
+        self.stopped_by_server = threading.Event()
+        self.assignments: list[Assignment] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"fake-{cid}", daemon=True)
+
+    def _update(self, a: Assignment, round_: int, version: int, delta: np.ndarray) -> bytes | bytearray:
+        return encode(Update(round_, version, self.cid, 50, a.local_steps, 0.01, 0.01, 0.1, delta))
+
+    def _run(self) -> None:
+        up = self.topics.up(self.cid)
+        try:
+            self.link.start()
+            while not self.stop.is_set():
+                got = self.link.receive(0.2)
+                if got is None:
+                    continue
+                _, msg = got
+                if isinstance(msg, Presence) and msg.role == "server" and msg.online:
+                    self.link.publish(up, encode(Hello(client_id=self.cid, num_samples=50)))
+                elif isinstance(msg, Assignment):
+                    self.assignments.append(msg)
+                    n = msg.weights.size
+                    if msg.round == self.late_round:
+                        huge = np.full(n, 1e6, dtype=np.float32)
+                        self.link.publish(up, self._update(msg, msg.round - 1, msg.model_version - 1, huge))
+                    self.link.publish(up, self._update(msg, msg.round, msg.model_version, np.zeros(n, np.float32)))
+                elif isinstance(msg, Stop):
+                    self.stopped_by_server.set()
+                    return
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+        finally:
+            self.link.stop()
+
+
+def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, digits, tmp_path: Path) -> None:
+    job = f"o{uuid.uuid4().hex[:10]}"
+    config = make_config(tmp_path, job, rounds=3, count=1)
+    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+    out = tmp_path / "run"
+    orch = Orchestrator(config, link, Evaluator(digits.model, digits.test), digits.model, out)
+    fake = FakeClient(broker, orch.topics, "c0", late_round=2)
+    fake.thread.start()
+    try:
+        summary = orch.run()
+    finally:
+        fake.stop.set()
+        fake.thread.join(timeout=30)
+    assert not fake.thread.is_alive()
+    assert fake.error is None, fake.error
+    assert fake.stopped_by_server.is_set()
+    assert [(a.round, a.model_version) for a in fake.assignments] == [(1, 0), (2, 1), (3, 2)]
+
+    assert summary["rounds"] == 3
+    assert summary["rejected"] == {"out_of_round": 1}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["rejected"] for r in rows] == [{}, {"out_of_round": 1}, {}]
+    assert all(r["clients_reported"] == 1 and r["missing"] == [] for r in rows)
+
+    w0 = initial_weights(digits.model)
+    with np.load(out / "checkpoint.npz") as ckpt:
+        np.testing.assert_array_equal(ckpt["weights"], w0)  # zero deltas only: the 1e6 one never got in
+        assert int(ckpt["round"]) == 3 and int(ckpt["model_version"]) == 3
+    acc0, loss0 = Evaluator(digits.model, digits.test)(w0)
+    assert all(r["accuracy"] == acc0 and r["loss"] == pytest.approx(loss0) for r in rows)

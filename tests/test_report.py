@@ -1,0 +1,130 @@
+"""Run reports: time-to-accuracy figures from metrics rows, the PNG report, and the metrics.jsonl log."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.report import MetricsLog, plot_report, summarize, write_summary
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def row(round_: int, accuracy: float, elapsed_s: float, slowest_compute_s: float, loss: float = 1.0) -> dict[str, Any]:
+    return {
+        "round": round_,
+        "accuracy": accuracy,
+        "loss": loss,
+        "elapsed_s": elapsed_s,
+        "slowest_compute_s": slowest_compute_s,
+    }
+
+
+# Accuracy crosses 0.9 first in round 3, dips below it in round 4 and crosses again in round 5.
+ROWS = [
+    row(1, 0.50, 2.5, 1.25, loss=2.0),
+    row(2, 0.80, 5.0, 0.75, loss=1.5),
+    row(3, 0.91, 8.0, 2.0, loss=0.9),
+    row(4, 0.88, 11.5, 0.5, loss=1.0),
+    row(5, 0.95, 14.0, 3.0, loss=0.4),
+]
+
+
+def test_summarize_counts_to_the_first_round_reaching_the_target() -> None:
+    target = 0.9
+    summary = summarize(ROWS, target)
+    first = next(r for r in ROWS if r["accuracy"] >= target)
+    assert first["round"] == 3  # the fixture is what the test says it is
+    compute = 0.0
+    for r in ROWS:
+        compute += r["slowest_compute_s"]
+        if r is first:
+            break
+    assert summary["rounds_to_target"] == 3
+    assert summary["time_to_target_s"] == 8.0
+    assert summary["client_compute_to_target_s"] == pytest.approx(compute)
+    assert summary["client_compute_to_target_s"] == pytest.approx(1.25 + 0.75 + 2.0)
+    assert summary["client_compute_total_s"] == pytest.approx(sum(r["slowest_compute_s"] for r in ROWS))
+
+
+def test_summarize_final_and_best_figures() -> None:
+    summary = summarize(ROWS, 0.9, dataset="digits", seed=4)
+    assert summary["final_accuracy"] == 0.95
+    assert summary["final_loss"] == 0.4
+    assert summary["best_accuracy"] == 0.95
+    assert summary["rounds"] == 5
+    assert summary["wall_clock_s"] == 14.0
+    assert summary["target_accuracy"] == 0.9
+    assert summary["dataset"] == "digits" and summary["seed"] == 4  # extras are carried through
+
+
+def test_summarize_target_reached_in_the_first_round() -> None:
+    summary = summarize(ROWS, 0.5)
+    assert summary["rounds_to_target"] == 1
+    assert summary["time_to_target_s"] == 2.5
+    assert summary["client_compute_to_target_s"] == pytest.approx(1.25)
+
+
+def test_summarize_target_exactly_equal_counts_as_reached() -> None:
+    summary = summarize(ROWS, 0.8)
+    assert summary["rounds_to_target"] == 2
+    assert summary["client_compute_to_target_s"] == pytest.approx(1.25 + 0.75)
+
+
+def test_summarize_target_never_reached_gives_none() -> None:
+    summary = summarize(ROWS, 0.99)
+    assert summary["rounds_to_target"] is None
+    assert summary["time_to_target_s"] is None
+    assert summary["client_compute_to_target_s"] is None
+    assert summary["best_accuracy"] == 0.95
+    assert summary["rounds"] == 5
+
+
+def test_summarize_no_rows() -> None:
+    summary = summarize([], 0.9)
+    assert summary["rounds"] == 0
+    assert summary["rounds_to_target"] is None and summary["time_to_target_s"] is None
+    assert summary["client_compute_to_target_s"] is None
+    assert summary["final_accuracy"] is None and summary["best_accuracy"] is None
+
+
+def test_write_summary_is_json(tmp_path: Path) -> None:
+    path = tmp_path / "summary.json"
+    summary = summarize(ROWS, 0.9)
+    write_summary(path, summary)
+    assert json.loads(path.read_text()) == summary
+
+
+@pytest.mark.parametrize("target", [0.9, 0.99])
+def test_plot_report_writes_a_png(tmp_path: Path, target: float) -> None:
+    path = tmp_path / "report.png"
+    plot_report(ROWS, target, path, "digits, fedavg")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 100 and height > 100
+    assert data.endswith(b"IEND\xaeB`\x82")  # complete file, not truncated
+
+
+def test_metrics_log_appends_one_json_line_per_row(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for i, r in enumerate(ROWS[:3], start=1):
+        log.append({**r, "clients": {"c0": {"local_steps": 5}}, "missing": []})
+        lines = path.read_text().splitlines()
+        assert len(lines) == i  # written immediately, so a crash keeps every finished round
+    parsed = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [p["round"] for p in parsed] == [1, 2, 3]
+    assert parsed[1]["accuracy"] == 0.80 and parsed[1]["clients"] == {"c0": {"local_steps": 5}}
+    assert parsed == log.rows
+
+
+def test_metrics_log_appends_to_an_existing_file(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    MetricsLog(path).append(ROWS[0])
+    MetricsLog(path).append(ROWS[1])
+    assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [1, 2]

@@ -1,0 +1,211 @@
+"""EdgeClient, the Python API, against a real mosquitto; the test plays the server over its own MqttLink."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from torch import nn
+
+from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.models import build_model, get_flat, num_params
+from edge_client.protocol import Assignment, Hello, Message, Presence, Stop, Update, encode
+from edge_client.runtime import EdgeClient
+from edge_client.topics import Topics
+from edge_client.trainer import train_local
+from edge_client.transport import LinkConfig, MqttLink
+from server.broker import Broker
+
+TIMEOUT = 30.0
+CID = "c3"
+SPEC = {"name": "mlp", "in_features": 8, "num_classes": 3, "hidden": [16]}
+OTHER_SPEC = {"name": "mlp", "in_features": 8, "num_classes": 3, "hidden": [4]}
+
+
+def make_dataset(n: int = 40) -> ArrayDataset:
+    rng = np.random.default_rng(11)
+    return ArrayDataset(rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 3, size=n))
+
+
+def assignment(round_: int, local_steps: int, weights: np.ndarray, spec: dict[str, Any] = SPEC) -> Assignment:
+    return Assignment(
+        round=round_,
+        model_version=round_ - 1,
+        local_steps=local_steps,
+        lr=0.05,
+        batch_size=8,
+        deadline_s=30.0,
+        algorithm="fedavg",
+        model=dict(spec),
+        weights=weights,
+        seed=2,
+    )
+
+
+class FakeServer:
+    """The server's side of the protocol, on one MqttLink with the server's login."""
+
+    def __init__(self, broker: Broker, job: str) -> None:
+        self.topics = Topics(job)
+        config = LinkConfig(broker.url, broker.server.username, broker.server.password, connect_timeout_s=TIMEOUT)
+        self.link = MqttLink(config, f"test-server-{job}", [self.topics.all_up])
+        self.link.start()
+        # The SUBSCRIBE went out before this PUBLISH on the same connection, so once the broker acknowledges the
+        # publish it has also processed the subscription: no hello can be missed.
+        self.link.publish(self.topics.server, encode(Presence(client_id="server", online=True, role="server")))
+        assert self.link.wait_published(TIMEOUT)
+
+    def send(self, msg: Message, topic: str | None = None) -> None:
+        self.link.publish(topic or self.topics.down(CID), encode(msg))
+        assert self.link.wait_published(TIMEOUT)
+
+    def expect(self, kind: type, skip: tuple[type, ...] = ()) -> Any:
+        """The next message of type ``kind`` from CID; messages of the ``skip`` types are passed over."""
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            received = self.link.receive(timeout=max(0.0, deadline - time.monotonic()))
+            assert received is not None, f"no {kind.__name__} within {TIMEOUT} s"
+            topic, msg = received
+            assert topic == self.topics.up(CID)
+            if isinstance(msg, kind):
+                return msg
+            assert isinstance(msg, skip), f"expected {kind.__name__}, got {msg!r}"
+
+    def stop(self) -> None:
+        self.link.stop()
+
+
+class ClientThread:
+    """EdgeClient.run on a thread; exceptions are kept for the test to assert on."""
+
+    def __init__(self, client: EdgeClient, max_rounds: int | None) -> None:
+        self.client = client
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(max_rounds,), daemon=True)
+        self.thread.start()
+
+    def _run(self, max_rounds: int | None) -> None:
+        try:
+            self.client.run(max_rounds=max_rounds)
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def join(self) -> None:
+        self.thread.join(TIMEOUT)
+        assert not self.thread.is_alive(), "EdgeClient.run did not return"
+        assert self.errors == []
+
+
+@pytest.fixture
+def job() -> str:
+    return f"rt-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def server(broker: Broker, job: str) -> Iterator[FakeServer]:
+    srv = FakeServer(broker, job)
+    try:
+        yield srv
+    finally:
+        srv.link.publish(srv.topics.broadcast, encode(Stop(reason="test teardown")))  # a failed test's client ends
+        srv.link.wait_published(TIMEOUT)
+        srv.stop()
+
+
+def make_client(broker: Broker, job: str, dataset: ArrayDataset, **kwargs: Any) -> EdgeClient:
+    config = LinkConfig(broker.url, CID, broker.devices[CID].password, connect_timeout_s=TIMEOUT)
+    return EdgeClient(CID, dataset, config, job=job, **kwargs)
+
+
+def test_two_rounds_with_a_custom_model_factory(broker: Broker, job: str, server: FakeServer) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def factory(spec: dict[str, Any]) -> nn.Module:
+        seen.append(dict(spec))
+        return build_model(spec)
+
+    dataset = make_dataset()
+    runner = ClientThread(make_client(broker, job, dataset, model_factory=factory), max_rounds=2)
+
+    hello = server.expect(Hello)
+    assert hello.client_id == CID
+    assert hello.num_samples == len(dataset)
+    assert hello.device["hostname"] == socket.gethostname()
+    assert hello.device["machine"]
+    assert isinstance(hello.device["cpu_count"], int) and hello.device["cpu_count"] >= 1
+
+    weights = get_flat(build_model(SPEC))
+    first = assignment(1, 7, weights)
+    server.send(first)
+    update1 = server.expect(Update, skip=(Hello,))
+    server.send(assignment(2, 3, weights - update1.delta))
+    update2 = server.expect(Update, skip=(Hello,))
+
+    runner.join()  # max_rounds=2: run() returns after the second update
+    assert runner.client.rounds_done == 2
+    done = server.expect(Presence, skip=(Hello,))
+    assert (done.online, done.reason) == (False, "done")
+
+    n = num_params(build_model(SPEC))
+    for update, round_, steps in ((update1, 1, 7), (update2, 2, 3)):
+        assert update.round == round_ and update.model_version == round_ - 1
+        assert update.client_id == CID
+        assert update.local_steps == steps
+        assert update.num_samples == len(dataset)
+        assert update.delta.shape == (n,)
+        assert np.all(np.isfinite(update.delta)) and np.abs(update.delta).max() > 0
+        assert update.compute_s >= 0 and update.cpu_s >= 0 and np.isfinite(update.train_loss)
+        for when in ("before", "after"):
+            assert {"cpu_percent", "rss_mb"} <= set(update.metrics[when])
+        assert update.metrics["bytes_down"] > 0
+    # the first update carries no upload figures yet; the second reports the first upload
+    assert update1.metrics["last_upload"] == {}
+    assert update2.metrics["last_upload"]["bytes"] > 0
+
+    assert seen == [SPEC]  # the factory got the spec from the wire, once: the model is reused for the same spec
+
+    # round 1's delta is what the trainer gives for that assignment, this client's data and sampler
+    expected = train_local(build_model(SPEC), dataset, BatchSampler(len(dataset), 8, 2, CID), first, FedAvgClient())
+    np.testing.assert_allclose(update1.delta, expected.delta, rtol=1e-5, atol=1e-6)
+
+
+def test_stop_on_broadcast_ends_run(broker: Broker, job: str, server: FakeServer) -> None:
+    runner = ClientThread(make_client(broker, job, make_dataset()), max_rounds=None)
+    server.expect(Hello)  # connected and subscribed (the hello follows the SUBSCRIBE on the client's connection)
+    server.send(Stop(reason="training finished"), topic=server.topics.broadcast)
+    runner.join()
+    assert runner.client.rounds_done == 0
+    done = server.expect(Presence, skip=(Hello,))
+    assert (done.client_id, done.online, done.reason) == (CID, False, "done")
+
+
+def test_assignment_with_mismatched_model_is_skipped(
+    broker: Broker, job: str, server: FakeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="edge_client.runtime")
+    runner = ClientThread(make_client(broker, job, make_dataset()), max_rounds=1)
+    server.expect(Hello)
+
+    good = get_flat(build_model(SPEC))
+    wrong = get_flat(build_model(OTHER_SPEC))
+    assert wrong.size != good.size
+    server.send(assignment(1, 5, wrong, spec=SPEC))  # SPEC's model, OTHER_SPEC's weights
+    server.send(assignment(2, 4, good, spec=SPEC))
+
+    # MQTT keeps one publisher's QoS 1 order and the client serves one assignment at a time: an update for
+    # round 1 would arrive before round 2's. The first update is round 2's, so round 1 produced none.
+    update = server.expect(Update, skip=(Hello,))
+    assert update.round == 2 and update.local_steps == 4
+    runner.join()  # max_rounds=1: the skipped round did not count
+    assert runner.client.rounds_done == 1
+    done = server.expect(Presence, skip=(Hello,))
+    assert done.reason == "done"
+    assert any("round 1" in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
