@@ -10,17 +10,22 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch import nn
 
 from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.behaviours import Behaviour
 from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.models import build_model, num_params
+from edge_client.flat import FlatModel
+from edge_client.models import build_model
 from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import prepare_process, train_local
@@ -43,14 +48,18 @@ class EdgeClient:
         job: str = "default",
         model_factory: ModelFactory = build_model,
         threads: int = 1,
+        state_dir: Path | None = None,
+        behaviour: str = "honest",
     ) -> None:
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
         self.topics = Topics(job)
         self.model_factory = model_factory
         self.threads = threads
+        self.state_dir = state_dir
+        self.behaviour = Behaviour.parse(behaviour, self.client_id)
         self.rounds_done = 0
-        self._model: nn.Module | None = None
+        self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
         self._sampler: BatchSampler | None = None
         self._sampler_key: tuple[int, int] | None = None
@@ -95,24 +104,42 @@ class EdgeClient:
             self.link.wait_published(timeout=5.0)
             self.link.stop()
 
-    def _model_for(self, spec: dict[str, Any]) -> nn.Module:
+    def _model_for(self, spec: dict[str, Any]) -> FlatModel:
         if self._model is None or spec != self._model_spec:
-            self._model, self._model_spec = self.model_factory(spec), dict(spec)
+            self._model, self._model_spec = FlatModel(self.model_factory(spec)), dict(spec)
         return self._model
 
+    def _state_path(self, name: str) -> Path | None:
+        return self.state_dir / f"{name}.npz" if self.state_dir else None
+
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
-        """One instance per algorithm for the life of the process: client halves may keep state across rounds."""
+        """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
         if name not in self._algorithms:
-            self._algorithms[name] = client_algorithm(name)
+            algorithm = self._algorithms[name] = client_algorithm(name)
+            path = self._state_path(name)
+            if path is not None and path.exists():
+                with np.load(path) as saved:
+                    algorithm.load_state_dict({k: saved[k] for k in saved.files})
+                log.info("restored %s state from %s", name, path)
         return self._algorithms[name]
+
+    def _save_state(self, name: str, algorithm: ClientAlgorithm) -> None:
+        """Written atomically after every round, so a restart never finds half a file."""
+        path, state = self._state_path(name), algorithm.state_dict()
+        if path is None or not state:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, **state)
+        os.replace(tmp, path)
 
     def _serve(self, assignment: Assignment) -> None:
         try:
             model = self._model_for(assignment.model)
             algorithm = self._algorithm_for(assignment.algorithm)
-            if num_params(model) != assignment.weights.size:
+            if model.size != assignment.weights.size:
                 raise ValueError(
-                    f"the server's model has {assignment.weights.size} parameters, this client's {num_params(model)}"
+                    f"the server's model has {assignment.weights.size} parameters, this client's {model.size}"
                 )
         except ValueError as exc:  # a round this device cannot serve must not end the client
             log.error("round %d: cannot serve the assignment: %s; skipping the round", assignment.round, exc)
@@ -123,10 +150,19 @@ class EdgeClient:
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         before = device.snapshot()
-        result = train_local(model, self.dataset, self._sampler, assignment, algorithm)
+        if self.behaviour.trains:
+            result = self.behaviour.tamper(train_local(model, self.dataset, self._sampler, assignment, algorithm))
+            self._save_state(assignment.algorithm, algorithm)
+        else:
+            result = self.behaviour.freeload(assignment)
         after = device.snapshot()
-        extras, arrays = algorithm.end_round(model, assignment, result.delta)
         if not assignment.upload:
+            log.info(
+                "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",
+                assignment.round,
+                result.local_steps,
+                result.compute_s,
+            )
             return
 
         t0 = time.perf_counter()
@@ -147,8 +183,8 @@ class EdgeClient:
                 "bytes_down": bytes_down,
                 "last_upload": self._last_upload,
             },
-            extras=extras,
-            arrays=arrays,
+            extras=result.extras,
+            arrays=result.arrays,
         )
         payload = encode(update)
         serialize_s = time.perf_counter() - t0

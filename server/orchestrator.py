@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from edge_client.data import ArrayDataset
 from edge_client.models import build_model, get_flat
 from edge_client.protocol import (
     Assignment,
@@ -41,7 +42,7 @@ from edge_client.transport import LinkConfig, MqttLink
 from server.config import RunConfig
 from server.evaluation import Evaluator
 from server.report import MetricsLog, plot_report, summarize, write_summary
-from server.strategies import Strategy, TrainSettings, make_strategy
+from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 
 log = logging.getLogger("edgefl.server")
 
@@ -92,6 +93,7 @@ class Orchestrator:
         *,
         observer: RoundObserver | None = None,
         summary_extra: dict[str, Any] | None = None,
+        root: ArrayDataset | None = None,
     ) -> None:
         self.config = config
         self.model_spec = model_spec
@@ -107,7 +109,9 @@ class Orchestrator:
             config.algorithm_params(),
             config.run.seed,
         )
+        self.root = root
         self.clients: dict[str, ClientRecord] = {}
+        self.client_samples: dict[str, int] = {}  # shared with the strategy's context
         self.current: RoundState | None = None
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link = MqttLink(
@@ -139,6 +143,7 @@ class Orchestrator:
             raise InvalidField(f"hello on the topic of {sender!r} claims client id {hello.client_id!r}")
         known = self.clients.get(sender)
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
+        self.client_samples[sender] = hello.num_samples
         if known is None or not known.online:
             log.info(
                 "client %s registered: %d samples, %s",
@@ -210,12 +215,20 @@ class Orchestrator:
             self.observer.waiting(f"waiting for clients: {len(self.online())}/{count} registered")
             self._pump(0.5)
 
+    def available(self) -> list[str]:
+        """Online clients the strategy has not excluded."""
+        excluded = self.strategy.excluded()
+        return [c for c in self.online() if c not in excluded]
+
     def _assign(self, round_: int, version: int, weights: np.ndarray) -> tuple[RoundState, dict[str, Any]]:
-        selected = self.strategy.select(round_, self.online())
+        available = self.available()
+        selected = self.strategy.select(round_, available)
+        train_only = self.strategy.train_only(round_, available, selected)
         state = RoundState(round_, version, set(selected))
         told: dict[str, Any] = {}
-        for cid in selected:
+        for cid in [*selected, *train_only]:
             instr = self.strategy.instructions(round_, cid)
+            instr.upload = cid in state.selected
             assignment = Assignment(
                 round=round_,
                 model_version=version,
@@ -225,7 +238,7 @@ class Orchestrator:
                 deadline_s=self.config.clients.round_deadline_s,
                 algorithm=self.strategy.name,
                 model=self.model_spec,
-                weights=weights,
+                weights=weights if instr.weights is None else instr.weights,
                 alpha=instr.alpha,
                 params=instr.params,
                 arrays=instr.arrays,
@@ -256,6 +269,9 @@ class Orchestrator:
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.num_params = weights.size
+        self.strategy.setup(
+            ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
+        )
         self.link.start()
         self.link.publish(
             self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
@@ -272,8 +288,11 @@ class Orchestrator:
             num_params=int(self.num_params),
             clients=len(self.clients),
             rejected=dict(self.link.rejections),
+            excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
         )
+        last = metrics.rows[-1] if metrics.rows else {}
+        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith("accuracy_")})
         write_summary(self.out_dir / "summary.json", summary)
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
@@ -284,8 +303,8 @@ class Orchestrator:
         start = time.monotonic()
         version = 0
         for round_ in range(1, self.config.run.rounds + 1):
-            if not self.online():
-                self.wait_for_clients(1)
+            if not self.available():
+                self.wait_for_clients(len(self.online()) + 1)
             t0 = time.monotonic()
             rejected_before = Counter(self.link.rejections)
             self.current, told = self._assign(round_, version, weights)
@@ -300,6 +319,7 @@ class Orchestrator:
                 version += 1
             t_eval = time.monotonic()
             accuracy, loss = self.evaluator(weights)
+            outputs = {name: self.evaluator(w) for name, w in self.strategy.outputs(weights).items()}
             done = time.monotonic()
             row = {
                 "round": round_,
@@ -316,7 +336,11 @@ class Orchestrator:
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
                 "instructions": told,
                 "rejected": dict(self.link.rejections - rejected_before),
+                "excluded": sorted(self.strategy.excluded()),
+                "algorithm": self.strategy.round_metrics(),
             }
+            for name, (acc, lss) in outputs.items():
+                row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
             metrics.append(row)
             self._checkpoint(weights, round_, version)
             self.observer.round_done(row)

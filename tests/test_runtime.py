@@ -16,6 +16,7 @@ from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
 from edge_client.models import build_model, get_flat, num_params
 from edge_client.protocol import Assignment, Hello, Message, Presence, Stop, Update, encode
 from edge_client.runtime import EdgeClient
@@ -173,7 +174,9 @@ def test_two_rounds_with_a_custom_model_factory(broker: Broker, job: str, server
     assert seen == [SPEC]  # the factory got the spec from the wire, once: the model is reused for the same spec
 
     # round 1's delta is what the trainer gives for that assignment, this client's data and sampler
-    expected = train_local(build_model(SPEC), dataset, BatchSampler(len(dataset), 8, 2, CID), first, FedAvgClient())
+    expected = train_local(
+        FlatModel(build_model(SPEC)), dataset, BatchSampler(len(dataset), 8, 2, CID), first, FedAvgClient()
+    )
     np.testing.assert_allclose(update1.delta, expected.delta, rtol=1e-5, atol=1e-6)
 
 

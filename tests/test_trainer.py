@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.base import ClientAlgorithm, LocalContext
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
 from edge_client.models import MLP, get_flat, num_params, set_flat
 from edge_client.protocol import Assignment
 from edge_client.trainer import TrainResult, train_local
@@ -52,18 +53,17 @@ class CountingAlgorithm(ClientAlgorithm):
         self.steps: list[int] = []
         self.grad_norms: list[float] = []
 
-    def begin_round(self, model: nn.Module, assignment: Assignment) -> None:
+    def begin_round(self, ctx: LocalContext) -> None:
         self.begun += 1
 
-    def correct(self, model: nn.Module, step: int) -> None:
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         self.steps.append(step)
-        self.grad_norms.append(sum(float(p.grad.abs().sum()) for p in model.parameters()))
+        self.grad_norms.append(float(ctx.flat.grad.abs().sum()))
 
 
 class ZeroGradients(ClientAlgorithm):
-    def correct(self, model: nn.Module, step: int) -> None:
-        for p in model.parameters():
-            p.grad.zero_()
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        ctx.flat.grad.zero_()
 
 
 def run(
@@ -77,7 +77,9 @@ def run(
     weights = start if start is not None else get_flat(make_model(seed=0))
     dataset = make_dataset()
     sampler = BatchSampler(len(dataset), 8, seed, client_id)
-    result = train_local(model, dataset, sampler, make_assignment(weights, local_steps, seed=seed), algorithm)
+    result = train_local(
+        FlatModel(model), dataset, sampler, make_assignment(weights, local_steps, seed=seed), algorithm
+    )
     return result, model, weights
 
 
@@ -122,7 +124,9 @@ def test_delta_is_descent_positive() -> None:
     start = get_flat(model)
     sampler = BatchSampler(len(dataset), 8, 0, "c0")
     idx = BatchSampler(len(dataset), 8, 0, "c0").next()  # the batch train_local will draw
-    result = train_local(model, dataset, sampler, make_assignment(start, local_steps=1, lr=0.05), FedAvgClient())
+    result = train_local(
+        FlatModel(model), dataset, sampler, make_assignment(start, local_steps=1, lr=0.05), FedAvgClient()
+    )
     probe = make_model()
     set_flat(probe, start)
     xb, yb = torch.from_numpy(dataset.x[idx]), torch.from_numpy(dataset.y[idx])
@@ -169,5 +173,7 @@ def test_starts_from_the_assignment_weights_not_the_model() -> None:
     start = get_flat(make_model(seed=8))
     assert not np.array_equal(before, start)
     dataset = make_dataset()
-    train_local(model, dataset, BatchSampler(len(dataset), 8, 0, "c0"), make_assignment(start, 2), ZeroGradients())
+    train_local(
+        FlatModel(model), dataset, BatchSampler(len(dataset), 8, 0, "c0"), make_assignment(start, 2), ZeroGradients()
+    )
     np.testing.assert_array_equal(get_flat(model), start)

@@ -1,32 +1,68 @@
 """The client half of an aggregation algorithm: hooks around the local SGD loop.
 
-Corrections are applied analytically to the gradients (one vector operation per step), never by adding a regulariser
-to the loss and back-propagating it. The trainer owns the loop; an algorithm only says what differs from FedAvg.
+Corrections are applied analytically to the flat gradient vector (one or two vector operations per step), never by
+adding a regulariser to the loss and back-propagating it. The trainer owns the loop; an algorithm says only what
+differs from FedAvg. Sign convention (ALGORITHMS.md C1): the upload is ``delta = w_t - w_end``, descent-positive.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
-from torch import nn
+import torch
 
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment
+
+
+@dataclass
+class LocalContext:
+    """Everything a client half may read or adjust during one round.
+
+    ``flat.params`` is the current iterate ``w_{i,k}`` and ``flat.grad`` the mini-batch gradient ``g_{i,k}`` (a
+    correction adds into it); ``start`` is the global model ``w_t`` as received (a copy, never modified).
+    """
+
+    flat: FlatModel
+    start: torch.Tensor
+    assignment: Assignment
+    dataset: ArrayDataset
+    sampler: BatchSampler
+
+    def param(self, name: str, default: Any = None) -> Any:
+        """An algorithm parameter sent by the server, or ``default``."""
+        return self.assignment.params.get(name, default)
+
+    def array(self, name: str) -> torch.Tensor:
+        """A per-client vector sent with the assignment (a torch view of the wire array, read-only)."""
+        try:
+            arr = self.assignment.arrays[name]
+        except KeyError:
+            raise ValueError(f"{self.assignment.algorithm}: the assignment carries no array {name!r}") from None
+        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable))
 
 
 class ClientAlgorithm:
     """FedAvg's client half is the empty behaviour: plain SGD, upload ``delta`` only."""
 
-    name = "fedavg"
+    name: ClassVar[str] = "fedavg"
 
-    def begin_round(self, model: nn.Module, assignment: Assignment) -> None:
-        """Called after the global weights are loaded, before the first local step."""
+    def begin_round(self, ctx: LocalContext) -> None:
+        """After the global weights are loaded, before the first local step (may move the start point)."""
 
-    def correct(self, model: nn.Module, step: int) -> None:
-        """Called after backward, before the optimiser step: adjust ``p.grad`` in place."""
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        """After backward, before the optimiser step: adjust ``ctx.flat.grad`` in place."""
 
-    def end_round(
-        self, model: nn.Module, assignment: Assignment, delta: np.ndarray
-    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Scalars and vectors to upload beside ``delta``."""
+    def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Scalars and vectors to upload beside ``delta``; also the place to update state kept across rounds."""
         return {}, {}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """State that must survive a client restart (SCAFFOLD's c_i, FedUmf's stored update)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``state_dict`` returned."""

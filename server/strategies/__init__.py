@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.strategies.base import Instructions, Strategy, TrainSettings
+from server.strategies.base import Instructions, ServerContext, Strategy, TrainSettings
 from server.strategies.fedavg import FedAvg
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
 
-__all__ = ["STRATEGIES", "Instructions", "Strategy", "TrainSettings", "make_strategy"]
+__all__ = ["STRATEGIES", "Instructions", "ServerContext", "Strategy", "TrainSettings", "make_strategy"]
 
 
 def make_strategy(name: str, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> Strategy:

@@ -2,8 +2,7 @@
 
 With ``eta_g = K * eta_l`` the update is ``w_next = w - sum_i p_i delta_i`` over the clients that reported, with
 ``p_i = 1/|S_t|`` (``weighting = "uniform"``, the default for TACO's experiments) or ``p_i = D_i / D``
-(``weighting = "samples"``), renormalised over the updates that arrived. The sum is accumulated one update at a time,
-so the server never stacks all N updates.
+(``weighting = "samples"``), renormalised over the updates that arrived.
 """
 
 from __future__ import annotations
@@ -14,25 +13,15 @@ import numpy as np
 
 from edge_client.protocol import Update
 from server.strategies.base import Strategy
-
-
-def aggregation_weights(updates: list[Update], weighting: str) -> np.ndarray:
-    """``p_i`` over the updates received; falls back to uniform when sample counts sum to zero (ALGORITHMS C5)."""
-    if weighting not in ("uniform", "samples"):
-        raise ValueError(f"fedavg.weighting must be 'uniform' or 'samples', got {weighting!r}")
-    counts = np.array([u.num_samples for u in updates], dtype=np.float64)
-    if weighting == "uniform" or counts.sum() <= 0:
-        counts = np.ones(len(updates))
-    return counts / counts.sum()
+from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class FedAvg(Strategy):
     name = "fedavg"
+    description = "K local SGD steps per client; the server averages the updates"
     defaults: ClassVar[dict[str, Any]] = {"weighting": "uniform"}
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {"weighting": ("uniform", "samples")}
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         p = aggregation_weights(updates, self.params["weighting"])
-        step = np.zeros_like(weights)
-        for p_i, update in zip(p, updates, strict=True):
-            step += np.float32(p_i) * update.delta
-        return weights - step
+        return weights - weighted_sum(p, (u.delta for u in updates), weights)
