@@ -103,7 +103,7 @@ class Broker:
     """
 
     def __init__(self, workdir: Path, settings: BrokerSettings | None = None) -> None:
-        self.workdir = Path(workdir)
+        self.workdir = Path(workdir).resolve()  # mosquitto changes directory: relative paths would break
         self.settings = settings if settings is not None else BrokerSettings()
         self.port = self.settings.port or free_port(self.settings.host)
         self.server = Credentials(_check_username(self.settings.server_user), secrets.token_urlsafe(24))

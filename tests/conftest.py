@@ -86,6 +86,12 @@ def connect_client(
     return client
 
 
+@pytest.fixture
+def need_mosquitto() -> None:
+    """For tests that start brokers of their own."""
+    require_mosquitto()
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     """A real mosquitto with the server user and devices c0..c9, anonymous access off."""

@@ -223,3 +223,14 @@ def test_missing_mosquitto_hint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     with pytest.raises(MosquittoNotInstalled):
         Broker(tmp_path / "b").start()
     assert not os.path.exists(tmp_path / "b")  # nothing written before the binary is known
+
+
+def test_relative_workdir_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, need_mosquitto: None) -> None:
+    """`edge-server simulate --out runs/x` passes a relative directory; mosquitto must still find its files."""
+    monkeypatch.chdir(tmp_path)
+    broker = Broker(Path("relative-broker"), BrokerSettings()).start()
+    try:
+        assert broker.running
+        assert broker.conf_path.is_absolute() and broker.conf_path.exists()
+    finally:
+        broker.stop()
