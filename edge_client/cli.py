@@ -33,7 +33,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         keepalive=args.keepalive,
     )
-    client = EdgeClient(args.client_id, dataset, config, job=args.job, threads=args.threads)
+    client = EdgeClient(
+        args.client_id,
+        dataset,
+        config,
+        job=args.job,
+        threads=args.threads,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        behaviour=args.behaviour,
+    )
     client.run(max_rounds=args.max_rounds)
     return 0
 
@@ -64,6 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="bytes per MQTT message chunk")
     run.add_argument("--keepalive", type=int, default=60, help="MQTT keepalive seconds (long enough for an upload)")
+    run.add_argument(
+        "--state-dir",
+        help="directory where algorithm state that must survive a restart is kept "
+        "(SCAFFOLD's control variate, FedUmf's stored update)",
+    )
+    run.add_argument(
+        "--behaviour",
+        default="honest",
+        help="for robustness experiments only: honest (default), "
+        "freeloader (uploads the last global update, no training) or scale:SIGMA (scales its update by "
+        "p ~ N(0, SIGMA^2))",
+    )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
     run.set_defaults(func=cmd_run)
     return parser

@@ -52,15 +52,16 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
 
 
-def _config(args: argparse.Namespace) -> RunConfig:
-    """The validated configuration, including the algorithm and its parameters, before anything is started."""
+def _config(args: argparse.Namespace) -> tuple[RunConfig, int]:
+    """The validated configuration (the algorithm and its parameters included, before anything is started) and the
+    size of the server-side root data set the algorithm needs."""
     from server.strategies import TrainSettings, make_strategy
 
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
     t = config.train
-    make_strategy(t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params())
-    return config
+    strategy = make_strategy(t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params())
+    return config, strategy.root_size()
 
 
 def _setup_logging(out_dir: Path, verbose: bool) -> None:
@@ -92,16 +93,25 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
         broker.stop()
 
 
-def _train(config: RunConfig, link: LinkConfig, bundle: Any, out_dir: Path) -> dict[str, Any]:
+def _train(
+    config: RunConfig, link: LinkConfig, bundle: Any, out_dir: Path, root: Any = None, **extra: Any
+) -> dict[str, Any]:
     from server.evaluation import Evaluator
     from server.orchestrator import Orchestrator
     from server.progress import RoundProgress, summary_table
 
     spec = config.model or bundle.model
-    extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
+    extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed, **extra}
     with RoundProgress(config.run.rounds) as progress:
         orchestrator = Orchestrator(
-            config, link, Evaluator(spec, bundle.test), spec, out_dir, observer=progress, summary_extra=extra
+            config,
+            link,
+            Evaluator(spec, bundle.test),
+            spec,
+            out_dir,
+            observer=progress,
+            summary_extra=extra,
+            root=root,
         )
         summary = orchestrator.run()
     progress.console.print(summary_table(summary))
@@ -130,13 +140,17 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset
-    from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+    from server.datasets import load_dataset, split_root
+    from server.simulate import ClientLogin, behaviours, client_ids, prepare_shards, start_clients, stop_clients
 
-    config = _config(args)
+    config, root_size = _config(args)
+    roles = behaviours(config)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
     bundle = load_dataset(config.data.dataset, seed=config.run.seed)
+    root = None
+    if root_size:  # the server's root data set is held by no client
+        root, bundle.train = split_root(bundle.train, root_size, config.run.seed)
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
@@ -148,7 +162,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         procs = start_clients(config, link.url, logins, shards, out_dir / "clients", link.ca_file)
         finished = False
         try:
-            _train(config, link, bundle, out_dir)
+            _train(
+                config,
+                link,
+                bundle,
+                out_dir,
+                root,
+                freeloaders=[c for c, r in roles.items() if r == "freeloader"],
+                attackers=[c for c, r in roles.items() if r.startswith("scale:")],
+            )
             finished = True
         finally:  # after a failure no stop message went out: do not wait for the clients
             codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
@@ -159,19 +181,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset
+    from server.datasets import load_dataset, split_root
 
-    config = _config(args)
+    config, root_size = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
     bundle = load_dataset(config.data.dataset, seed=config.run.seed)
+    root = split_root(bundle.train, root_size, config.run.seed)[0] if root_size else None
     with _broker_for(config, out_dir, config.broker.devices) as (link, broker):
         if broker is not None:
             print(
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        _train(config, link, bundle, out_dir)
+        _train(config, link, bundle, out_dir, root)
     return 0
 
 

@@ -44,6 +44,9 @@ class ClientsSection:
     register_timeout_s: float = 300.0
     round_deadline_s: float = 120.0
     threads: int = 1  # simulate: torch threads per client process
+    freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
+    attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
+    attack_sigma: float = 1.7320508  # DRAG: variance 3
 
 
 @dataclass
@@ -97,6 +100,9 @@ class RunConfig:
             ("clients.register_timeout_s", self.clients.register_timeout_s > 0, "seconds > 0"),
             ("clients.round_deadline_s", self.clients.round_deadline_s > 0, "seconds > 0"),
             ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
+            ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
+            ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
+            ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
             ("train.batch_size", self.train.batch_size >= 1, "an integer >= 1"),
             ("train.lr", self.train.lr > 0, "a number > 0"),

@@ -42,6 +42,21 @@ def prepare_shards(
     return shards, table
 
 
+def behaviours(config: RunConfig) -> dict[str, str]:
+    """Which simulated clients misbehave: freeloaders are the last ids, scaling attackers the ones before them."""
+    ids = client_ids(config.clients.count)
+    n_free = round(config.clients.freeloaders * len(ids))
+    n_att = round(config.clients.attackers * len(ids))
+    if n_free + n_att > len(ids):
+        raise ValueError("clients.freeloaders + clients.attackers must not exceed 1")
+    out = dict.fromkeys(ids, "honest")
+    for cid in ids[len(ids) - n_free :] if n_free else []:
+        out[cid] = "freeloader"
+    for cid in ids[len(ids) - n_free - n_att : len(ids) - n_free] if n_att else []:
+        out[cid] = f"scale:{config.clients.attack_sigma}"
+    return out
+
+
 def start_clients(
     config: RunConfig,
     url: str,
@@ -53,6 +68,7 @@ def start_clients(
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
     threads = str(config.clients.threads)
+    roles = behaviours(config)
     for cid, shard in zip(client_ids(config.clients.count), shards, strict=True):
         login = logins[cid]
         cmd = [
@@ -74,6 +90,10 @@ def start_clients(
             threads,
             "--chunk-size",
             str(config.broker.chunk_size),
+            "--state-dir",
+            str(log_dir / f"{cid}.state"),
+            "--behaviour",
+            roles[cid],
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
