@@ -28,7 +28,6 @@ from edge_client.protocol import (
     Hello,
     InvalidField,
     Message,
-    MissingField,
     OutOfRound,
     Presence,
     ProtocolError,
@@ -178,10 +177,7 @@ class Orchestrator:
             )
         if update.delta.size != self.num_params:
             raise ShapeMismatch(f"{sender}: delta has {update.delta.size} values, the model has {self.num_params}")
-        missing = [k for k in self.strategy.required_extras if k not in update.extras]
-        missing += [k for k in self.strategy.required_arrays if k not in update.arrays]
-        if missing:
-            raise MissingField(f"{sender}: {self.strategy.name} updates must carry {missing}")
+        self.strategy.check_update(update)
         state.received[sender] = update
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
         log.info(

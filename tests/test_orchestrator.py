@@ -26,7 +26,7 @@ from server.config import RunConfig, from_dict
 from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundState
-from server.strategies import TrainSettings, make_strategy
+from server.strategies import ServerContext, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
 
 SEED = 3
@@ -188,11 +188,15 @@ class FedAvgWithBeta(FedAvg):
 
 def test_missing_required_extras_and_arrays_are_rejected(orch: Orchestrator) -> None:
     orch.strategy = FedAvgWithBeta(TrainSettings(2, 0.1, 8))
+    orch.strategy.setup(ServerContext(model_spec={}, num_params=orch.num_params))
     control = {"control": np.zeros(3, dtype=np.float32)}
     send(orch, "c0", update(orch, "c0", arrays=control))  # no beta
     send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}))  # no control array
     assert orch.link.rejections == {"missing_field": 2}
     assert orch.current.received == {}
+    send(orch, "c0", update(orch, "c0", extras={"beta": float("nan")}, arrays=control))  # not a finite number
+    send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}, arrays={"control": np.zeros(4, np.float32)}))
+    assert orch.link.rejections == {"missing_field": 2, "invalid_field": 1, "shape": 1}
     ok = update(orch, "c0", extras={"beta": 0.5}, arrays=control)
     send(orch, "c0", ok)
     assert orch.current.received == {"c0": ok}

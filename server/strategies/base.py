@@ -9,6 +9,7 @@ without a broker. Sign convention (ALGORITHMS.md C1): ``update.delta = w_sent - 
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from edge_client.data import ArrayDataset
-from edge_client.protocol import Update
+from edge_client.protocol import InvalidField, MissingField, ShapeMismatch, Update
 
 log = logging.getLogger("edgefl.server")
 
@@ -109,6 +110,23 @@ class Strategy(ABC):
     def root_size(self) -> int:
         """Samples of server-side data this strategy needs (taken from data no client holds)."""
         return 0
+
+    def check_update(self, update: Update) -> None:
+        """Reject (with a specific ProtocolError) an update that lacks what this strategy's aggregation needs."""
+        who = f"{update.client_id}: {self.name} updates"
+        missing = [k for k in self.required_extras if k not in update.extras]
+        missing += [k for k in self.required_arrays if k not in update.arrays]
+        if missing:
+            raise MissingField(f"{who} must carry {missing}")
+        for key in self.required_extras:
+            value = update.extras[key]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise InvalidField(f"{who} need a finite number as {key!r}; got {value!r}")
+        for key in self.required_arrays:
+            if update.arrays[key].shape != (self.ctx.num_params,):
+                raise ShapeMismatch(
+                    f"{who} need {key!r} of shape ({self.ctx.num_params},); got {update.arrays[key].shape}"
+                )
 
     def select(self, round_: int, available: list[str]) -> list[str]:
         """Clients that train and upload this round: a uniform sample of ``fraction`` of them (at least one)."""
