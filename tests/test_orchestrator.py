@@ -189,7 +189,7 @@ class FedAvgWithBeta(FedAvg):
 def test_missing_required_extras_and_arrays_are_rejected(orch: Orchestrator) -> None:
     orch.strategy = FedAvgWithBeta(TrainSettings(2, 0.1, 8))
     orch.strategy.setup(ServerContext(model_spec={}, num_params=orch.num_params))
-    control = {"control": np.zeros(3, dtype=np.float32)}
+    control = {"control": np.zeros(orch.num_params, dtype=np.float32)}
     send(orch, "c0", update(orch, "c0", arrays=control))  # no beta
     send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}))  # no control array
     assert orch.link.rejections == {"missing_field": 2}
