@@ -7,8 +7,12 @@ broker cannot pass silently.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from paho.mqtt.client import CallbackAPIVersion, Client
@@ -16,11 +20,19 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
+from server.config import RunConfig, from_dict
+from server.datasets import load_dataset, split_root
+from server.evaluation import Evaluator
+from server.orchestrator import Orchestrator
+from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+from server.strategies import TrainSettings, make_strategy
 
 CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]
 MqttClientFactory = Callable[..., Client]
+CHANCE = 0.1  # ten classes in digits
 
 
 def in_ci() -> bool:
@@ -132,3 +144,85 @@ def mqtt_client_factory(broker: Broker) -> Iterator[MqttClientFactory]:
     for client in clients:
         client.disconnect()
         client.loop_stop()
+
+
+# ------------------------------------------------------------------ federations of real client processes
+class Hooks:
+    """Observer that runs a test's action after a given round, on the orchestrator's own thread."""
+
+    def __init__(self, actions: dict[int, Callable[[], None]] | None = None) -> None:
+        self.actions = actions or {}
+        self.rows: list[dict[str, Any]] = []
+
+    def waiting(self, text: str) -> None:
+        pass
+
+    def round_done(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if row["round"] in self.actions:
+            self.actions[row["round"]]()
+
+
+def make_config(
+    tmp_path: Path,
+    job: str,
+    clients: int,
+    rounds: int,
+    train: dict[str, Any] | None = None,
+    algorithm_params: dict[str, Any] | None = None,
+    **clients_section: Any,
+) -> RunConfig:
+    train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
+    return from_dict(
+        {
+            "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
+            "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
+            "data": {"dataset": "digits", "partition": "iid"},
+            "train": train,
+            "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
+        }
+    )
+
+
+@pytest.fixture
+def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[Orchestrator, dict]]]:
+    """Start client processes c0..c{n-1} on the session broker and build the server for them."""
+    started: list[dict[str, subprocess.Popen]] = []
+
+    def build(job: str, clients: int = 3, rounds: int = 3, **settings: Any) -> tuple[Orchestrator, dict]:
+        """``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section."""
+        config = make_config(tmp_path, job, clients, rounds, **settings)
+        bundle = load_dataset("digits", seed=0)
+        out = Path(config.run.out)
+        t = config.train
+        root_size = make_strategy(
+            t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params()
+        ).root_size()
+        root = None
+        if root_size:
+            root, bundle.train = split_root(bundle.train, root_size, 0)
+        shards, _ = prepare_shards(bundle, client_ids(clients), "iid", 0, out / "shards")
+        logins = {}
+        for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
+            creds = broker.devices.get(cid) or broker.add_device(cid)
+            logins[cid] = ClientLogin(cid, creds.password)
+        procs = start_clients(config, broker.url, logins, shards, out / "clients")
+        started.append(procs)
+        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+        orch = Orchestrator(
+            config,
+            link,
+            Evaluator(bundle.model, bundle.test),
+            bundle.model,
+            out,
+            summary_extra={"dataset": "digits"},
+            root=root,
+        )
+        return orch, procs
+
+    yield build
+    for procs in started:
+        for proc in procs.values():  # a test may have stopped one: let it die normally
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        stop_clients(procs, timeout=20)

@@ -7,80 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from conftest import CHANCE, Hooks
 
 from edge_client.topics import Topics
-from edge_client.transport import LinkConfig
-from server.broker import Broker
-from server.config import RunConfig, from_dict
-from server.datasets import load_dataset
-from server.evaluation import Evaluator
-from server.orchestrator import Orchestrator
-from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+from server.simulate import stop_clients
 
 pytestmark = pytest.mark.integration
-CHANCE = 0.1  # ten classes
-
-
-class Hooks:
-    """Observer that runs a test's action after a given round, on the orchestrator's own thread."""
-
-    def __init__(self, actions: dict[int, Callable[[], None]] | None = None) -> None:
-        self.actions = actions or {}
-        self.rows: list[dict[str, Any]] = []
-
-    def waiting(self, text: str) -> None:
-        pass
-
-    def round_done(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        if row["round"] in self.actions:
-            self.actions[row["round"]]()
-
-
-def make_config(tmp_path: Path, job: str, clients: int, rounds: int, **clients_section: Any) -> RunConfig:
-    return from_dict(
-        {
-            "run": {"rounds": rounds, "out": str(tmp_path / "run"), "job": job, "target_accuracy": 0.5},
-            "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
-            "data": {"dataset": "digits", "partition": "iid"},
-            "train": {"local_steps": 20, "batch_size": 32, "lr": 0.1},
-        }
-    )
-
-
-@pytest.fixture
-def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[Orchestrator, dict]]]:
-    """Start client processes c0..c{n-1} on the session broker and build the server for them."""
-    started: list[dict[str, subprocess.Popen]] = []
-
-    def build(job: str, clients: int = 3, rounds: int = 3, **clients_section: Any) -> tuple[Orchestrator, dict]:
-        config = make_config(tmp_path, job, clients, rounds, **clients_section)
-        bundle = load_dataset("digits", seed=0)
-        out = Path(config.run.out)
-        shards, _ = prepare_shards(bundle, client_ids(clients), "iid", 0, out / "shards")
-        logins = {}
-        for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
-            creds = broker.devices.get(cid) or broker.add_device(cid)
-            logins[cid] = ClientLogin(cid, creds.password)
-        procs = start_clients(config, broker.url, logins, shards, out / "clients")
-        started.append(procs)
-        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-        orch = Orchestrator(
-            config, link, Evaluator(bundle.model, bundle.test), bundle.model, out, summary_extra={"dataset": "digits"}
-        )
-        return orch, procs
-
-    yield build
-    for procs in started:
-        for proc in procs.values():  # a test may have stopped one: let it die normally
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-        stop_clients(procs, timeout=20)
 
 
 def test_fedavg_trains_over_mosquitto_above_chance(federation) -> None:

@@ -1,0 +1,90 @@
+"""FedVeca client half (ALGORITHMS.md 2.11 (a)): plain SGD for tau steps plus the local estimates beta and delta.
+
+The streaming O(d) form of Algorithm 2 (ALGORITHMS.md 2.11 (a), (f)2): ``h = grad F_i(w_k)`` over the full local
+training set is computed *before* the loop (it depends only on ``w_k``), so lines 15-18's maxima over the stored
+iterates become running maxima updated at every step, and the memory does not depend on tau.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+
+EPS = 1e-12
+
+
+class FedVecaClient(ClientAlgorithm):
+    """Uploads ``grad = grad F_i(w_k)`` (d), ``G = (1/tau) sum_lam g_lam`` (d), and the scalars beta, delta.
+
+    Per step ``lam`` (``correct``, before the optimiser step; ``flat.params`` is ``w^lam``, ``flat.grad`` is
+    ``g_lam``, the mini-batch gradient at ``w^lam``)::
+
+        beta = max(beta, ||h - g|| / ||w_k - w^lam||)     for lam >= 1   (Alg. 2 l.15-16; lam = 0 is 0/0, (f)3)
+        S   += g                                                          (S = sum_{s<=lam} g_s)
+        dnum = max(dnum, ||S||^2 / (lam + 1))             for lam >= 1   (Alg. 2 l.17-18 without 1/P, (f)5)
+
+    and ``delta = dnum / P`` at the end, ``P = ||grad F(w_{k-1})||^2`` sent by the server in ``params["P"]`` (the
+    algorithm's version with the *previous* global gradient, (f)4; max commutes with the positive factor 1/P). Rounds
+    without ``P`` (k = 0) upload ``delta = 0``; tau = 1 gives ``beta = delta = 0`` ((f)3, (f)5). A term with
+    ``||w_k - w^lam|| < 1e-12`` is skipped (C5). ``tau = assignment.local_steps`` (the trainer runs exactly that many).
+
+    Memory: three d-vectors of its own (``h``, ``S``, one scratch vector) allocated once and reused every round, beside
+    the trainer's ``w_k`` (``ctx.start``), ``w`` and ``g``: five d-vectors in all, independent of tau. ``beta`` mixes
+    the full-batch ``h`` with mini-batch ``g`` as printed ((f)3). The options ``full_grad_batches``,
+    ``beta_use_fullbatch`` and ``delta_reference`` of (f)1/(f)3/(f)4 are not implemented (the [RECOMMENDED] defaults).
+    The full gradient leaves BatchNorm running statistics unchanged (C6). No state survives a round.
+    """
+
+    name = "fedveca"
+
+    def __init__(self) -> None:
+        self._h: torch.Tensor | None = None  # grad F_i(w_k), full local data set
+        self._s: torch.Tensor | None = None  # running sum of the mini-batch gradients
+        self._scratch: torch.Tensor | None = None  # h - g, then w_k - w
+        self._beta = 0.0
+        self._dnum = 0.0
+
+    def _buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three d-vectors, allocated on first use (or when the model changes) and reused afterwards."""
+        if self._h is None or self._h.numel() != size:
+            self._h = torch.empty(size, dtype=torch.float32)
+            self._s = torch.empty(size, dtype=torch.float32)
+            self._scratch = torch.empty(size, dtype=torch.float32)
+        assert self._s is not None and self._scratch is not None
+        return self._h, self._s, self._scratch
+
+    def begin_round(self, ctx: LocalContext) -> None:
+        h, s, _ = self._buffers(ctx.flat.size)
+        module = ctx.flat.module
+        saved = [b.clone() for b in module.buffers()]  # BN running statistics (C6); empty for BN-free models
+        ctx.flat.full_gradient(ctx.dataset.x, ctx.dataset.y, out=h)  # Alg. 2 line 9, moved before the loop ((f)2)
+        with torch.no_grad():
+            for buf, old in zip(module.buffers(), saved, strict=True):
+                buf.copy_(old)
+        s.zero_()
+        self._beta = 0.0
+        self._dnum = 0.0
+
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        h, s, scratch = self._buffers(ctx.flat.size)
+        g = ctx.flat.grad
+        if step >= 1:
+            dist = float(torch.linalg.vector_norm(torch.sub(ctx.start, ctx.flat.params, out=scratch)))
+            if dist >= EPS:
+                diff = float(torch.linalg.vector_norm(torch.sub(h, g, out=scratch)))
+                self._beta = max(self._beta, diff / dist)
+        s.add_(g)
+        if step >= 1:
+            self._dnum = max(self._dnum, float(torch.dot(s, s)) / (step + 1))
+
+    def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        h, s, _ = self._buffers(ctx.flat.size)
+        tau = max(1, ctx.assignment.local_steps)
+        p = float(ctx.param("P", 0.0) or 0.0)
+        extras = {"beta": self._beta, "delta": self._dnum / p if p > 0 else 0.0}
+        arrays = {"grad": h.numpy().copy(), "G": (s / tau).numpy()}  # copies: the buffers are reused next round
+        return extras, arrays

@@ -1,0 +1,80 @@
+"""SCAFFOLD client half (ALGORITHMS.md 2.0 lines 10/16, 2.4; option II of the original SCAFFOLD).
+
+Per step ``v = g + alpha (c - c_i)``: the correction is constant within a round, so it is computed once in
+``begin_round`` and a step costs one in-place add. After the loop
+``c_i <- c_i - c + delta / (K_i eta_l)`` where ``K_i`` is the number of steps this client actually took (2.4 (e):
+"if K varies per client use that client's K_i"), and the client uploads ``delta_c = c_i^new - c_i^old`` (2.4 (a)
+[RECOMMENDED]: the difference, so the server needs no copy of every ``c_i``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+
+
+class ScaffoldClient(ClientAlgorithm):
+    """Keeps ``c_i`` (zeros until the first round, 2.4 (d)); it survives restarts through ``state_dict``.
+
+    ``alpha`` is read from the assignment every round, so the server may send each client its own coefficient.
+    A round in which no step ran leaves ``c_i`` unchanged (``delta / (0 * eta_l)`` is undefined) and uploads
+    ``delta_c = 0``.
+    """
+
+    name = "scaffold"
+
+    def __init__(self) -> None:
+        self.c_i: np.ndarray | None = None  # float32, the model's size
+        self._c: np.ndarray | None = None  # the server's c of this round
+        self._correction: torch.Tensor | None = None  # alpha * (c - c_i), this round only
+        self._steps = 0
+
+    def alpha(self, ctx: LocalContext) -> float:
+        value = ctx.param("alpha")
+        if value is None:
+            raise ValueError("scaffold: the assignment carries no 'alpha'")
+        alpha = float(value)
+        if not math.isfinite(alpha):
+            raise ValueError(f"scaffold: alpha must be finite; got {value!r}")
+        return alpha
+
+    def begin_round(self, ctx: LocalContext) -> None:
+        c = ctx.array("c")
+        if c.shape != ctx.start.shape:
+            raise ValueError(f"scaffold: c has shape {tuple(c.shape)}, the model {tuple(ctx.start.shape)}")
+        if self.c_i is None or self.c_i.shape != (ctx.flat.size,):
+            self.c_i = np.zeros(ctx.flat.size, dtype=np.float32)
+        self._c = c.numpy()
+        alpha = self.alpha(ctx)
+        correction = c.sub(torch.from_numpy(self.c_i)).mul_(alpha)
+        self._correction = correction if alpha and bool(correction.any()) else None  # round 0: c = c_i = 0
+        self._steps = 0
+
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        self._steps += 1  # the steps actually taken, whatever the assignment said
+        if self._correction is not None:
+            ctx.flat.grad.add_(self._correction)
+
+    def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        assert self.c_i is not None and self._c is not None, "end_round before begin_round"
+        if self._steps == 0:
+            delta_c = np.zeros_like(self.c_i)
+        else:
+            # c_i^new - c_i = delta / (K_i eta_l) - c
+            delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.assignment.lr) - self._c).astype(
+                np.float32
+            )
+            self.c_i = self.c_i + delta_c
+        self._c, self._correction = None, None
+        return {}, {"delta_c": delta_c}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {} if self.c_i is None else {"c_i": self.c_i.copy()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        self.c_i = np.array(state["c_i"], dtype=np.float32).reshape(-1) if "c_i" in state else None

@@ -1,0 +1,225 @@
+"""TACO server half (ALGORITHMS.md 2.7: Algorithm 2, eqs. 7, 9, 10, 14, 15).
+
+Per round t, over the active (non-expelled) clients that reported: the tailored coefficients ``alpha_i^{t+1}``
+(eq. 7) from this round's uploads, the alpha-weighted model average (eq. 9 with ``eta_g = K eta_l``, uniform when
+every alpha is 0), strikes for ``alpha_i >= kappa`` and expulsion after ``lambda`` strikes (eq. 10). Each client is
+told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
+``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edge_client.protocol import Update
+from server.strategies.base import Instructions, ServerContext, Strategy, TrainSettings
+from server.strategies.common import EPS, cosine, normalise, weighted_sum
+
+log = logging.getLogger("edgefl.server")
+
+
+def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
+    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0)``.
+
+    The mean is the unweighted mean of the raw uploads ((f)4); cosines use the C5 guard, so a zero upload or a zero
+    mean gives 0; when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
+    Returns float64 alphas in [0, 1), one per delta, in order.
+    """
+    n = len(deltas)
+    if n == 0:
+        return np.zeros(0)
+    norms = np.array([float(np.linalg.norm(d)) for d in deltas])
+    total = float(norms.sum())
+    if total <= EPS:
+        return np.zeros(n)
+    mean = weighted_sum([1.0 / n] * n, deltas, deltas[0])
+    cos = np.array([max(cosine(d, mean), 0.0) for d in deltas])
+    return (1.0 - norms / total) * cos
+
+
+class Taco(Strategy):
+    """TACO: tailored per-client correction, alpha-weighted aggregation, freeloader expulsion, output z.
+
+    Resolutions of ALGORITHMS.md 2.7 (f), all as [RECOMMENDED] unless noted:
+    (1) ``delta_scale = "per_step"``: the client's ``Delta_t`` is gradient-scale, ``(w_{t-1} - w_t) / eta_g`` with
+    ``eta_g = K * eta_l`` (sent as params "eta_g"); "model_diff" is the investigation option.
+    (2) Clients derive ``Delta_t`` from the two consecutive models they received. The server sends it as
+    ``arrays["global_delta"]`` (per-step scale) when ``send_global_delta`` is true, or to any client that was not
+    sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
+    which no update arrived so the version did not advance); the last-sent version per client is tracked.
+    (3) ``alpha_i^{t+1}`` from round t's uploads weights round t's aggregation, is counted for eq. 10, and is the
+    client's coefficient in round t+1. (4) The mean in eq. 7 is the unweighted mean of raw uploads.
+    (5) Round 1 (paper t = 0): ``Delta_0 = 0``, so clients apply no correction; ``alpha_init`` (0.1) is sent to
+    clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
+    (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
+    client's update of its expulsion round is still aggregated (``drop_on_expel_round`` drops it); no re-admission.
+    (9) ``outputs`` gives eq. 15's z every round with the mean alpha over non-expelled scored clients
+    (``output = "w"`` skips it). (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
+    others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
+
+    Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
+    ``K = settings.local_steps`` (so the paper's grid value gamma = 0 is not expressible; use a tiny positive value);
+    ``lambda_expel = 0`` means ``round(rounds / 5)`` (at least 1), with ``rounds`` (the run's total rounds, T) filled
+    in from the run config by whoever builds the strategy. If both are 0 the strategy warns once and never expels.
+    """
+
+    name = "taco"
+    description = "tailored per-client correction (alpha_i), alpha-weighted aggregation, freeloader expulsion"
+    defaults: ClassVar[dict[str, Any]] = {
+        "gamma": 0.0,  # max correction factor; 0.0 = 1/K
+        "kappa": 0.6,  # eq. 10 threshold on alpha_i
+        "lambda_expel": 0,  # strikes before expulsion; 0 = round(rounds / 5)
+        "rounds": 0,  # total rounds T of the run (for the lambda default); filled from the run config
+        "alpha_init": 0.1,  # alpha_i^0
+        "send_global_delta": False,  # always send Delta_t instead of letting clients derive it
+        "delta_scale": "per_step",
+        "output": "z",
+        "expel_strictly_greater": False,
+        "drop_on_expel_round": False,
+    }
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "delta_scale": ("per_step", "model_diff"),
+        "output": ("z", "w"),
+    }
+
+    def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(settings, params, seed)
+        if self.params["lambda_expel"] < 0 or self.params["rounds"] < 0:
+            raise ValueError(f"{self.name}.lambda_expel and {self.name}.rounds must be >= 0")
+        if self.params["gamma"] < 0:
+            raise ValueError(f"{self.name}.gamma must be >= 0 (0 means 1/K)")
+        self.alpha: dict[str, float] = {}  # latest alpha_i (eq. 7) per scored client
+        self.strikes: dict[str, int] = {}
+        self.expelled: list[str] = []  # in order of expulsion
+        self.version = 0  # aggregations so far = the model version the orchestrator sends
+        self.last_sent: dict[str, int] = {}  # client -> model version it was last instructed with
+        self.last_step: np.ndarray | None = None  # w_{t-1} - w_t of the last aggregation (model-difference scale)
+        self._warned_lambda = False
+
+    # -- resolved hyper-parameters -------------------------------------------------------------------------------
+
+    @property
+    def eta_g(self) -> float:
+        """Global step size ``K * eta_l`` (C2): the scale between ``w_{t-1} - w_t`` and ``Delta_t``."""
+        return float(self.settings.local_steps * self.settings.lr)
+
+    @property
+    def gamma(self) -> float:
+        g = float(self.params["gamma"])
+        return g if g > 0 else 1.0 / max(1, self.settings.local_steps)
+
+    @property
+    def lambda_expel(self) -> float:
+        """Strike threshold: the configured value, else ``round(T/5)`` (>= 1), else infinity (never expel)."""
+        if self.params["lambda_expel"] > 0:
+            return float(self.params["lambda_expel"])
+        if self.params["rounds"] > 0:
+            return float(max(1, round(self.params["rounds"] / 5)))
+        if not self._warned_lambda:
+            self._warned_lambda = True
+            log.warning(
+                "%s: lambda_expel = 0 needs %s.rounds (T) for its T/5 default; no client will be expelled",
+                self.name,
+                self.name,
+            )
+        return math.inf
+
+    def setup(self, ctx: ServerContext) -> None:
+        super().setup(ctx)
+        _ = self.lambda_expel  # warn at start, not mid-run, when lambda cannot be resolved
+
+    # -- round loop --------------------------------------------------------------------------------------------
+
+    def instructions(self, round_: int, client_id: str) -> Instructions:
+        instr = super().instructions(round_, client_id)
+        instr.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
+        instr.params = {"gamma": self.gamma, "eta_g": self.eta_g, "delta_scale": self.params["delta_scale"]}
+        if self.last_step is not None and (
+            self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
+        ):
+            instr.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
+        self.last_sent[client_id] = self.version
+        return instr
+
+    def _strike(self, client_id: str, alpha: float) -> bool:
+        """Eq. 10: count a strike when ``alpha >= kappa``; True when this strike expels the client."""
+        if alpha < self.params["kappa"]:
+            return False
+        strikes = self.strikes[client_id] = self.strikes.get(client_id, 0) + 1
+        limit = self.lambda_expel
+        if strikes > limit if self.params["expel_strictly_greater"] else strikes >= limit:
+            self.expelled.append(client_id)
+            log.warning(
+                "%s: expelled %s as a suspected freeloader (alpha %.4f >= kappa %.2f, %d strikes, lambda %g)",
+                self.name, client_id, alpha, self.params["kappa"], strikes, limit,
+            )
+            return True
+        return False
+
+    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+        gone = set(self.expelled)
+        stale = [u.client_id for u in updates if u.client_id in gone]
+        if stale:
+            log.warning("%s: round %d: ignoring updates of expelled clients %s", self.name, round_, stale)
+        updates = [u for u in updates if u.client_id not in gone]
+        if not updates:
+            return weights
+        alphas = taco_alphas([u.delta for u in updates])
+        expelled_now: set[str] = set()
+        for u, a in zip(updates, alphas, strict=True):
+            self.alpha[u.client_id] = float(a)
+            if self._strike(u.client_id, float(a)):
+                expelled_now.add(u.client_id)
+        keep = [u for u in updates if u.client_id not in expelled_now]
+        if self.params["drop_on_expel_round"] and keep:
+            p = normalise([self.alpha[u.client_id] for u in keep])
+            chosen = keep
+        else:
+            p, chosen = normalise(alphas), updates  # eq. 9; uniform fallback when sum alpha <= EPS
+        step = weighted_sum(p, (u.delta for u in chosen), weights)  # eta_g * Delta_{t+1}
+        self.last_step = step
+        self.version += 1
+        return weights - step
+
+    def excluded(self) -> set[str]:
+        return set(self.expelled)
+
+    def mean_alpha(self) -> float:
+        """Eq. 14 over the active (non-expelled) clients that have an alpha; ``alpha_init`` before any."""
+        active = [a for c, a in self.alpha.items() if c not in self.expelled]
+        return float(np.mean(active)) if active else float(self.params["alpha_init"])
+
+    def outputs(self, weights: np.ndarray) -> dict[str, np.ndarray]:
+        """Eq. 15: ``z_t = w_t + (1 - alpha_t)(w_t - w_{t-1})``; ``z_0 = w_0`` before the first aggregation."""
+        if self.params["output"] != "z":
+            return {}
+        if self.last_step is None:
+            return {"z": np.array(weights, dtype=np.float32)}
+        return {"z": (weights - np.float32(1.0 - self.mean_alpha()) * self.last_step).astype(np.float32)}
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {"alpha": dict(self.alpha), "strikes": dict(self.strikes), "expelled": list(self.expelled)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; ``last_step`` (w_{t-1} - w_t, d floats) is stored as a list."""
+        return {
+            "alpha": dict(self.alpha),
+            "strikes": dict(self.strikes),
+            "expelled": list(self.expelled),
+            "version": self.version,
+            "last_sent": dict(self.last_sent),
+            "last_step": None if self.last_step is None else self.last_step.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.alpha = {str(k): float(v) for k, v in state.get("alpha", {}).items()}
+        self.strikes = {str(k): int(v) for k, v in state.get("strikes", {}).items()}
+        self.expelled = [str(c) for c in state.get("expelled", [])]
+        self.version = int(state.get("version", 0))
+        self.last_sent = {str(k): int(v) for k, v in state.get("last_sent", {}).items()}
+        step = state.get("last_step")
+        self.last_step = None if step is None else np.asarray(step, dtype=np.float32)
