@@ -264,7 +264,10 @@ def write_shards(train: ArrayDataset, parts: list[np.ndarray], out_dir: Path, cl
 def split_root(data: ArrayDataset, size: int, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
     """``size`` random samples for the server's own root data set (DRAG-BR) and the rest, for the clients."""
     if not 0 < size < len(data):
-        raise ValueError(f"root data set size must be between 1 and {len(data) - 1}; got {size}")
+        raise ValueError(
+            f"the server's root data set (the algorithm's root_size) must be between 1 and {len(data) - 1} samples "
+            f"for this training set; got {size}: set [algorithm.<name>] root_size"
+        )
     order = np.random.default_rng(seed).permutation(len(data))
     root, rest = np.sort(order[:size]), np.sort(order[size:])
     return ArrayDataset(data.x[root], data.y[root]), ArrayDataset(data.x[rest], data.y[rest])

@@ -79,6 +79,7 @@ class RoundState:
     selected: set[str]
     received: dict[str, Update] = field(default_factory=dict)
     bytes_up: dict[str, int] = field(default_factory=dict)
+    assigned_steps: dict[str, int] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -175,6 +176,10 @@ class Orchestrator:
                 f"{sender} trained on model version {update.model_version}, round {state.round} sent version "
                 f"{state.model_version}"
             )
+        if update.local_steps > state.assigned_steps[sender]:
+            raise InvalidField(
+                f"{sender} claims {update.local_steps} local steps; it was told {state.assigned_steps[sender]}"
+            )
         if update.delta.size != self.num_params:
             raise ShapeMismatch(f"{sender}: delta has {update.delta.size} values, the model has {self.num_params}")
         self.strategy.check_update(update)
@@ -225,6 +230,7 @@ class Orchestrator:
         for cid in [*selected, *train_only]:
             instr = self.strategy.instructions(round_, cid)
             instr.upload = cid in state.selected
+            state.assigned_steps[cid] = instr.local_steps
             assignment = Assignment(
                 round=round_,
                 model_version=version,

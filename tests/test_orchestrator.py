@@ -64,7 +64,7 @@ def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
     o.num_params = initial_weights(digits.model).size
     for cid in ("c0", "c1", "c2"):
         o._handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
-    o.current = RoundState(round=2, model_version=1, selected={"c0", "c1"})
+    o.current = RoundState(round=2, model_version=1, selected={"c0", "c1"}, assigned_steps={"c0": 2, "c1": 2})
     return o
 
 
@@ -245,7 +245,9 @@ def fedavg_expected(w: np.ndarray, deltas: list[np.ndarray], p: list[float]) -> 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_fedavg_aggregates_the_received_updates(orch: Orchestrator, weighting: str) -> None:
     orch.strategy = make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": weighting})
-    orch.current = RoundState(round=2, model_version=1, selected={"c0", "c1", "c2"})  # c2 never reports
+    orch.current = RoundState(
+        round=2, model_version=1, selected={"c0", "c1", "c2"}, assigned_steps=dict.fromkeys(("c0", "c1", "c2"), 2)
+    )  # c2 never reports
     rng = np.random.default_rng(0)
     w = rng.standard_normal(orch.num_params).astype(np.float32)
     samples = {"c0": 30, "c1": 90}
@@ -364,3 +366,9 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
         assert int(ckpt["round"]) == 3 and int(ckpt["model_version"]) == 3
     acc0, loss0 = Evaluator(digits.model, digits.test)(w0)
     assert all(r["accuracy"] == acc0 and r["loss"] == pytest.approx(loss0) for r in rows)
+
+
+def test_update_claiming_more_steps_than_told_is_rejected(orch: Orchestrator) -> None:
+    send(orch, "c0", update(orch, "c0", local_steps=3))  # told 2: FedNova/FedVeca would overweight it
+    assert orch.link.rejections == {"invalid_field": 1}
+    assert orch.current.received == {}
