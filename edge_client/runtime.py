@@ -110,7 +110,8 @@ class EdgeClient:
         return self._model
 
     def _state_path(self, name: str) -> Path | None:
-        return self.state_dir / f"{name}.npz" if self.state_dir else None
+        """Per job and algorithm, so that state from one federation never leaks into another."""
+        return self.state_dir / self.topics.job / f"{name}.npz" if self.state_dir else None
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
