@@ -1,20 +1,35 @@
 """What the device is and what it is doing: identity facts for the hello, metrics for every update.
 
 psutil first, sysfs as the fallback (RESEARCH.md section 3): ``cpu_freq()`` may be None and
-``sensors_temperatures()`` may be empty or use ``cpu_thermal`` or ``cpu-thermal`` depending on the kernel.
+``sensors_temperatures()`` may be empty or use ``cpu_thermal`` or ``cpu-thermal`` depending on the kernel. The sysfs
+paths are module attributes (tests point them at temporary files). On a Raspberry Pi, ``vcgencmd get_throttled``
+adds the throttling flags; whether ``vcgencmd`` exists is looked up once, and it is only run when it does.
+
+:func:`snapshot` is taken right before and right after the local optimisation loop (runtime puts both into
+``Update.metrics``); it costs well under a millisecond without ``vcgencmd`` (a subprocess, some ms, on a Pi).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 SYSFS_FREQ = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
 SYSFS_TEMP = Path("/sys/class/thermal/thermal_zone0/temp")
@@ -62,25 +77,141 @@ def temperature_c() -> float | None:
         return None
 
 
+#: ``vcgencmd get_throttled`` bits (RESEARCH.md section 3): 0-3 "now", 16-19 "has occurred since boot"
+THROTTLE_BITS: dict[int, str] = {
+    0: "under_voltage",
+    1: "freq_capped",
+    2: "throttled",
+    3: "soft_temp_limit",
+    16: "under_voltage_occurred",
+    17: "freq_capped_occurred",
+    18: "throttled_occurred",
+    19: "soft_temp_limit_occurred",
+}
+
+_UNKNOWN = object()
+#: path of ``vcgencmd``, None when absent (or when it failed once), ``_UNKNOWN`` until first looked up
+_vcgencmd: Any = _UNKNOWN
+
+
+def vcgencmd_path() -> str | None:
+    """``vcgencmd``'s path, looked up once per process (``shutil.which`` scans PATH on every call)."""
+    global _vcgencmd
+    if _vcgencmd is _UNKNOWN:
+        _vcgencmd = shutil.which("vcgencmd")
+    return _vcgencmd
+
+
+def decode_throttled(value: int | str | None) -> list[str]:
+    """Names of the set bits of a ``get_throttled`` value (int or ``"0x50005"``); unknown bits as ``bit_N``."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = int(value.strip().split("=")[-1], 0)
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"throttled value must be >= 0, got {value}")
+    return [THROTTLE_BITS.get(bit, f"bit_{bit}") for bit in range(value.bit_length()) if value >> bit & 1]
+
+
 def throttled_flags() -> int | None:
-    """Raspberry Pi ``vcgencmd get_throttled`` bits (0 under-voltage, 1 capped, 2 throttled, 3 soft limit)."""
-    binary = shutil.which("vcgencmd")
+    """Raspberry Pi ``vcgencmd get_throttled`` bits (see THROTTLE_BITS), None when there is no ``vcgencmd``.
+
+    A ``vcgencmd`` that fails (e.g. no access to ``/dev/vcio`` under systemd's ``PrivateDevices=yes``) is not run
+    again in this process, so every later snapshot stays cheap.
+    """
+    global _vcgencmd
+    binary = vcgencmd_path()
     if not binary:
         return None
     try:
         out = subprocess.run([binary, "get_throttled"], capture_output=True, text=True, timeout=2).stdout
         return int(out.strip().split("=")[1], 16)
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError) as exc:
+        log.warning("vcgencmd get_throttled failed (%s); throttling flags are not reported", exc)
+        _vcgencmd = None
+        return None
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident memory of this process in MiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    if resource is None:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
+
+
+def net_bytes() -> tuple[int | None, int | None]:
+    """Bytes sent and received by all interfaces since boot (system-wide; None when unavailable)."""
+    try:
+        io = psutil.net_io_counters()
+    except (OSError, RuntimeError):
+        io = None
+    if io is None:
+        return None, None
+    return int(io.bytes_sent), int(io.bytes_recv)
+
+
+def torch_threads() -> int | None:
+    """torch's intra-op threads if torch is already loaded (never imports it: the inference path has no torch)."""
+    torch = sys.modules.get("torch")
+    try:
+        return int(torch.get_num_threads()) if torch is not None else None
+    except Exception:  # a half-imported torch
         return None
 
 
 def snapshot() -> dict[str, Any]:
-    """Metrics sampled around the local optimisation loop; missing sensors are None, never an error."""
+    """Metrics sampled around the local optimisation loop; missing sensors are None, never an error.
+
+    Every value is a JSON/msgpack scalar or a list of strings.
+    """
     proc = psutil.Process()
+    throttled = throttled_flags()
+    sent, recv = net_bytes()
+    try:
+        process_threads: int | None = proc.num_threads()
+    except (OSError, psutil.Error):
+        process_threads = None
     return {
+        "time": round(time.time(), 3),
         "cpu_percent": psutil.cpu_percent(interval=None),
         "cpu_freq_mhz": cpu_freq_mhz(),
         "temperature_c": temperature_c(),
         "rss_mb": round(proc.memory_info().rss / 2**20, 1),
-        "throttled": throttled_flags(),
+        "peak_rss_mb": peak_rss_mb(),
+        "throttled": throttled,
+        "throttled_flags": decode_throttled(throttled) if throttled is not None else None,
+        "process_threads": process_threads,
+        "torch_threads": torch_threads(),
+        "net_bytes_sent": sent,
+        "net_bytes_recv": recv,
+    }
+
+
+def summarise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One flat record of a round from the snapshots around it (for reports and ``metrics.jsonl``).
+
+    Throttling flags are the union of both snapshots; network bytes are the difference (system-wide counters, so
+    they include other traffic of the device: the MQTT bytes themselves are counted by the link).
+    """
+
+    def diff(key: str) -> int | None:
+        a, b = before.get(key), after.get(key)
+        return b - a if isinstance(a, int) and isinstance(b, int) and b >= a else None
+
+    flags = None
+    if before.get("throttled_flags") is not None or after.get("throttled_flags") is not None:
+        seen = [*(before.get("throttled_flags") or []), *(after.get("throttled_flags") or [])]
+        flags = sorted(set(seen), key=seen.index)
+    return {
+        "cpu_freq_mhz_before": before.get("cpu_freq_mhz"),
+        "cpu_freq_mhz_after": after.get("cpu_freq_mhz"),
+        "temperature_c_before": before.get("temperature_c"),
+        "temperature_c_after": after.get("temperature_c"),
+        "throttled_flags": flags,
+        "peak_rss_mb": after.get("peak_rss_mb"),
+        "torch_threads": after.get("torch_threads"),
+        "net_bytes_sent": diff("net_bytes_sent"),
+        "net_bytes_recv": diff("net_bytes_recv"),
     }
