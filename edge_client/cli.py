@@ -46,6 +46,60 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Inference with onnxruntime only: torch is never imported on this path."""
+    import numpy as np
+
+    from edge_client.predictor import Predictor
+
+    predictor = Predictor(args.model, intra_op_num_threads=args.threads, verify=not args.no_verify)
+    with np.load(args.input, allow_pickle=False) as data:
+        if args.key not in data.files:
+            raise ValueError(f"{args.input} has no array {args.key!r}; it has {data.files} (choose with --key)")
+        x = data[args.key]
+    out = predictor.predict_proba(x, args.batch_size) if args.proba else predictor.predict(x, args.batch_size)
+    if args.out:
+        if args.out.endswith(".npz"):
+            np.savez(args.out, predictions=out)
+        else:
+            np.savetxt(args.out, out, delimiter=",")
+        print(f"wrote {len(out)} predictions to {args.out}")
+    else:
+        print("\n".join(str(v) for v in out.tolist()))
+    if args.latency:
+        lat = predictor.latency(x[:1], repeats=args.latency)
+        print(f"latency, batch 1: median {lat['median_ms']:.3f} ms, p90 {lat['p90_ms']:.3f} ms", file=sys.stderr)
+    return 0
+
+
+def cmd_benchmark(args: argparse.Namespace) -> int:
+    import json
+
+    from edge_client.benchmark import DEFAULT_MODELS, benchmark, format_table
+
+    models = None
+    if args.models:
+        unknown = [m for m in args.models.split(",") if m not in DEFAULT_MODELS]
+        if unknown:
+            raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(DEFAULT_MODELS)}")
+        models = {m: DEFAULT_MODELS[m] for m in args.models.split(",")}
+    algorithms = args.algorithms.split(",") if args.algorithms else None
+    results = benchmark(
+        models,
+        algorithms,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        threads=args.threads,
+        inference=not args.no_inference,
+    )
+    print(format_table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-client", description="edgefl device runtime: local training over MQTT")
     parser.add_argument("--version", action="version", version=f"edgefl {__version__}")
@@ -86,6 +140,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
     run.set_defaults(func=cmd_run)
+
+    predict = sub.add_parser(
+        "predict",
+        help="classify samples with an exported ONNX model (onnxruntime, no torch)",
+        description="Run the server's exported model (model.onnx) on this device.",
+    )
+    predict.add_argument("--model", required=True, help="model.onnx exported by the server (its .json sidecar beside)")
+    predict.add_argument("--input", required=True, help=".npz holding the samples")
+    predict.add_argument("--key", default="x", help="array in the .npz to classify (default x)")
+    predict.add_argument("--batch-size", type=int, help="samples per onnxruntime call (default: all at once)")
+    predict.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its default)")
+    predict.add_argument("--proba", action="store_true", help="print class probabilities instead of class ids")
+    predict.add_argument("--out", help="write predictions to .npz or .csv instead of printing them")
+    predict.add_argument("--latency", type=int, default=0, help="also measure batch-1 latency over N repeats")
+    predict.add_argument("--no-verify", action="store_true", help="skip the sha256 check against the sidecar")
+    predict.set_defaults(func=cmd_predict)
+
+    bench = sub.add_parser(
+        "benchmark",
+        help="seconds per 100 local updates per algorithm and model on this device",
+        description="Measure this device's training cost of every algorithm (side by side, "
+        "repeated) and its inference latency, to compare devices before deploying.",
+    )
+    bench.add_argument("--models", help="comma-separated: cnn-mnist, cnn-cifar, mlp-digits (default: all)")
+    bench.add_argument("--algorithms", help="comma-separated algorithm names (default: all this client supports)")
+    bench.add_argument("--steps", type=int, default=100, help="local updates per measurement (default 100)")
+    bench.add_argument("--batch-size", type=int, default=64, help="mini-batch size (default 64)")
+    bench.add_argument("--repeats", type=int, default=3, help="measurements per algorithm, interleaved (default 3)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    bench.add_argument("--no-inference", action="store_true", help="skip the ONNX inference latency")
+    bench.add_argument("--out", help="also write the results as JSON")
+    bench.set_defaults(func=cmd_benchmark)
     return parser
 
 

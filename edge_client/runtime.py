@@ -181,6 +181,7 @@ class EdgeClient:
                 "threads": self.threads,
                 "before": before,
                 "after": after,
+                "round": device.summarise(before, after),
                 "bytes_down": bytes_down,
                 "last_upload": self._last_upload,
             },

@@ -40,6 +40,7 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.config import RunConfig
 from server.evaluation import Evaluator
+from server.onnx_export import BackgroundExporter, export_onnx
 from server.report import MetricsLog, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 
@@ -278,11 +279,14 @@ class Orchestrator:
         self.link.publish(
             self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
         )
+        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx")
         try:
             self.wait_for_clients(self.config.min_clients)
-            weights = self._train(weights, metrics)
+            weights = self._train(weights, metrics, exporter)
         finally:
             self._shutdown()
+            exporter.close()
+        export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
         summary = summarize(
             metrics.rows,
             self.config.run.target_accuracy,
@@ -301,9 +305,10 @@ class Orchestrator:
             plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
         return summary
 
-    def _train(self, weights: np.ndarray, metrics: MetricsLog) -> np.ndarray:
+    def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
         start = time.monotonic()
         version = 0
+        best = -1.0
         for round_ in range(1, self.config.run.rounds + 1):
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
@@ -345,6 +350,9 @@ class Orchestrator:
                 row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
             metrics.append(row)
             self._checkpoint(weights, round_, version)
+            if accuracy > best:  # model.onnx is always the best global model so far
+                best = accuracy
+                exporter.submit(weights, round_)
             self.observer.round_done(row)
             if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
                 log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)

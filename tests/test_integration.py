@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import CHANCE, Hooks
 
+from edge_client.predictor import Predictor
 from edge_client.topics import Topics
+from server.datasets import load_dataset
 from server.simulate import stop_clients
 
 pytestmark = pytest.mark.integration
@@ -110,3 +112,10 @@ def test_simulate_command_end_to_end(tmp_path: Path) -> None:
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "round   3/3" in result.stderr
+    # the exported ONNX models: the final one classifies the test set exactly as the server evaluated it
+    test = load_dataset("digits", seed=0).test
+    final = Predictor(out / "model-final.onnx")
+    assert (final.predict(test.x) == test.y).mean() == pytest.approx(summary["final_accuracy"], abs=1e-9)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    best_round = max(rows, key=lambda r: r["accuracy"])["round"]
+    assert Predictor(out / "model.onnx").meta["round"] == best_round  # model.onnx: the best round's model
