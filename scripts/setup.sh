@@ -4,12 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Debian packages: mosquitto (broker tests), and for the firmware_scripts tests shellcheck, systemd-analyze (package
+# systemd), openssl (broker CA) and useradd (package passwd). Only missing ones are installed.
+apt_pkgs=()
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    apt_pkgs+=(mosquitto mosquitto-clients)
+fi
+command -v shellcheck >/dev/null 2>&1 || apt_pkgs+=(shellcheck)
+command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
+command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
+command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(passwd)
+if [ "${#apt_pkgs[@]}" -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    echo "setup: installing mosquitto from Debian" >&2
+    echo "setup: installing ${apt_pkgs[*]} from Debian" >&2
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq mosquitto mosquitto-clients >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
 fi
 
 python=${PYTHON:-python3}
