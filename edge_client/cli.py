@@ -7,6 +7,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edge_client.transport import LinkConfig
 
 from edge_client import __version__
 from edge_client.chunking import DEFAULT_CHUNK_SIZE
@@ -19,20 +23,27 @@ def _password(args: argparse.Namespace) -> str | None:
     return args.password or os.environ.get("EDGEFL_PASSWORD")
 
 
+def _link_config(args: argparse.Namespace, **extra: Any) -> LinkConfig:
+    from edge_client.transport import LinkConfig
+
+    username = args.username or args.client_id
+    return LinkConfig(url=args.broker, username=username, password=_password(args), ca_file=args.ca_file, **extra)
+
+
+def cmd_fetch_model(args: argparse.Namespace) -> int:
+    from edge_client.fetch import fetch_model
+
+    meta = fetch_model(_link_config(args), args.client_id, Path(args.out), job=args.job, timeout=args.timeout)
+    print(f"wrote {args.out} (round {meta['round']}, sha256 {meta['sha256'][:12]}...) and {args.out}.json")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from edge_client.data import load_local_data
     from edge_client.runtime import EdgeClient
-    from edge_client.transport import LinkConfig
 
     dataset = load_local_data(args.data)
-    config = LinkConfig(
-        url=args.broker,
-        username=args.username or args.client_id,
-        password=_password(args),
-        ca_file=args.ca_file,
-        chunk_size=args.chunk_size,
-        keepalive=args.keepalive,
-    )
+    config = _link_config(args, chunk_size=args.chunk_size, keepalive=args.keepalive)
     client = EdgeClient(
         args.client_id,
         dataset,
@@ -106,23 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--broker", required=True, help="broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT (TLS)")
+    connection.add_argument("--client-id", required=True, help="this device's id (letters, digits, _ . -; at most 64)")
+    connection.add_argument("--username", help="broker username (default: the client id)")
+    connection.add_argument("--password", help="broker password (prefer --password-file or EDGEFL_PASSWORD)")
+    connection.add_argument("--password-file", help="file holding the broker password")
+    connection.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the system's CAs)")
+    connection.add_argument("--job", default="default", help="job name: the topic namespace shared with the server")
+
     run = sub.add_parser(
         "run",
+        parents=[connection],
         help="register with the server and train on its assignments until it says stop",
         description="Register with the server, train on each assignment, report the update.",
     )
-    run.add_argument("--broker", required=True, help="broker URL, mqtt://HOST:PORT or mqtts://HOST:PORT for TLS")
-    run.add_argument("--client-id", required=True, help="this device's id (letters, digits, _ . -; at most 64)")
     run.add_argument(
         "--data",
         required=True,
         help="this device's data: an .npz with x and y, or a directory of MNIST-style idx files",
     )
-    run.add_argument("--username", help="broker username (default: the client id)")
-    run.add_argument("--password", help="broker password (prefer --password-file or the EDGEFL_PASSWORD variable)")
-    run.add_argument("--password-file", help="file holding the broker password")
-    run.add_argument("--ca-file", help="CA certificate for mqtts:// brokers (default: the system's CAs)")
-    run.add_argument("--job", default="default", help="job name: the topic namespace shared with the server")
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="bytes per MQTT message chunk")
     run.add_argument("--keepalive", type=int, default=60, help="MQTT keepalive seconds (long enough for an upload)")
@@ -140,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
     run.set_defaults(func=cmd_run)
+
+    fetch = sub.add_parser(
+        "fetch-model",
+        parents=[connection],
+        help="download the server's newest ONNX model",
+        description="Fetch the newest exported model (retained on the broker) for edge-client "
+        "predict; writes the .onnx file and its .json sidecar.",
+    )
+    fetch.add_argument("--out", default="model.onnx", help="where to write the model (default model.onnx)")
+    fetch.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the model (default 30)")
+    fetch.set_defaults(func=cmd_fetch_model)
 
     predict = sub.add_parser(
         "predict",
@@ -182,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except (ConnectionError, FileNotFoundError, ValueError) as exc:
+    except (ConnectionError, FileNotFoundError, TimeoutError, ValueError) as exc:
         logging.getLogger("edge-client").error("%s", exc)
         return 2
 

@@ -151,9 +151,6 @@ class Stop:
     TYPE: ClassVar[str] = "stop"
 
 
-Message = Hello | Assignment | Update | Presence | Stop
-
-
 @dataclass
 class Chunk:
     """One frame of a message larger than the chunk size; ``data`` is a zero-copy view when decoded."""
@@ -167,6 +164,21 @@ class Chunk:
     data: memoryview | bytes
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "chunk"
+
+
+@dataclass
+class ModelFile:
+    """The exported ONNX model (retained on the job's model topic) that devices fetch for inference."""
+
+    round: int
+    sha256: str
+    meta: dict[str, Any]  # the export's sidecar: model spec, input shape, classes, round
+    data: memoryview | bytes
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "model"
+
+
+Message = Hello | Assignment | Update | Presence | Stop | ModelFile
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -267,6 +279,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "reason": ("reason", _TEXT),
     },
     "stop": {"reason": ("reason", _TEXT)},
+    "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
         "i": ("index", _INT),
@@ -276,7 +289,8 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "sha256": ("sha256", _str(_SHA256_RE)),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Presence, Stop, Chunk)}
+_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Presence, Stop, ModelFile, Chunk)}
+_BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
 _VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
@@ -353,9 +367,10 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     if not isinstance(msg.msg_id, str) or not _MSG_ID_RE.fullmatch(msg.msg_id):
         raise InvalidField(f"{t}: msg_id expected a str matching {_MSG_ID_RE.pattern}, got {_short(msg.msg_id)}")
     blobs: list[tuple[str, str, list[int], memoryview]] = []
-    if isinstance(msg, Chunk):
-        data = memoryview(msg.data).cast("B")
-        _check_chunk(f, data.nbytes)
+    if t in _BYTES:
+        data = memoryview(msg.data).cast("B")  # type: ignore[union-attr]
+        if t == "chunk":
+            _check_chunk(f, data.nbytes)
         blobs.append(("data", _U8, [data.nbytes], data))
     elif t in _VECTOR:
         named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
@@ -442,19 +457,19 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             raise MalformedMessage(f"{t}: array entry expected [name, dtype, shape], got {_short(entry)}")
         name, dtype, shape = entry
-        allowed = name == "data" if t == "chunk" else vector is not None and (name == vector or name[:2] == "x:")
+        allowed = name == "data" if t in _BYTES else vector is not None and (name == vector or name[:2] == "x:")
         if not allowed or name in seen or name == "x:":
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
-        want = _U8 if t == "chunk" else DTYPE
+        want = _U8 if t in _BYTES else DTYPE
         if dtype != want:
             raise InvalidField(f"{t}: array {name!r} dtype expected {want!r}, got {_short(dtype)}")
         if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_int(s) and s >= 0 for s in shape)):
             raise ShapeMismatch(f"{t}: array {name!r} shape expected <= 32 ints >= 0, got {_short(shape)}")
         if (name in (vector, "data")) and len(shape) != 1:
             raise ShapeMismatch(f"{t}: array {name!r} expected 1-D, got shape {shape}")
-        total += math.prod(shape) * (1 if t == "chunk" else 4)
-    need = vector or ("data" if t == "chunk" else None)
+        total += math.prod(shape) * (1 if t in _BYTES else 4)
+    need = vector or ("data" if t in _BYTES else None)
     if need is not None and need not in seen:
         raise MissingField(f"{t}: missing field {need!r}")
     if offset + total != size:
@@ -478,7 +493,7 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
     extra: dict[str, np.ndarray] = {}
     for name, _, shape in header["a"]:
         count = math.prod(shape)
-        if t == "chunk":
+        if t in _BYTES:
             kwargs["data"] = memoryview(payload)[pos : pos + count]
             pos += count
             continue

@@ -51,6 +51,11 @@ class Topics:
         return f"{self.root}/server"
 
     @property
+    def model(self) -> str:
+        """Retained: the newest exported ONNX model, for devices to fetch."""
+        return f"{self.root}/model"
+
+    @property
     def all_up(self) -> str:
         return f"{self.root}/c/+/up"
 

@@ -185,14 +185,15 @@ class MqttLink:
             size = min(size, self.max_packet_size - PUBLISH_OVERHEAD - 1024)
         return max(size, 0)
 
-    def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False) -> int:
+    def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int:
         """Queue ``payload`` for delivery with QoS 1 and return the bytes put on the wire.
 
         Delivery survives reconnects (paho keeps the message and resends it); ``wait_published`` waits for the
         broker's acknowledgements.
         """
         chunk_size = self.chunk_size()
-        frames = chunking.split(payload, chunk_size) if chunk_size else [payload]
+        # A retained message must stay whole: retained chunks on one topic would overwrite each other.
+        frames = chunking.split(payload, chunk_size) if chunk_size and chunked else [payload]
         limit = self.max_packet_size
         overhead = len(topic.encode()) + PUBLISH_OVERHEAD
         largest = max(len(frame) for frame in frames) + overhead

@@ -43,6 +43,7 @@ acl_rules() {
         "pattern read $base/c/%u/down" \
         "pattern read $base/broadcast" \
         "pattern read $base/server" \
+        "pattern read $base/model" \
         "" \
         "user $server_user" \
         "topic readwrite edgefl/#"

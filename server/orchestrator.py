@@ -8,6 +8,7 @@ updates are rejected, logged and counted, and the round goes on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -28,6 +29,8 @@ from edge_client.protocol import (
     Hello,
     InvalidField,
     Message,
+    MessageTooLarge,
+    ModelFile,
     OutOfRound,
     Presence,
     ProtocolError,
@@ -40,7 +43,7 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.config import RunConfig
 from server.evaluation import Evaluator
-from server.onnx_export import BackgroundExporter, export_onnx
+from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 
@@ -279,13 +282,13 @@ class Orchestrator:
         self.link.publish(
             self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
         )
-        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx")
+        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
         try:
             self.wait_for_clients(self.config.min_clients)
             weights = self._train(weights, metrics, exporter)
         finally:
+            exporter.close()  # its last export is published before the link goes down
             self._shutdown()
-            exporter.close()
         export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
         summary = summarize(
             metrics.rows,
@@ -384,6 +387,16 @@ class Orchestrator:
             strategy=json.dumps(self.strategy.state_dict()),
         )
         os.replace(tmp, self.out_dir / "checkpoint.npz")
+
+    def _publish_model(self, path: Path, round_: int) -> None:
+        """Retain the newest exported model on the job's model topic, where devices fetch it."""
+        meta = read_sidecar(path) or {}
+        data = path.read_bytes()
+        message = ModelFile(round=round_, sha256=hashlib.sha256(data).hexdigest(), meta=meta, data=data)
+        try:
+            self.link.publish(self.topics.model, encode(message), retain=True, chunked=False)
+        except MessageTooLarge as exc:
+            log.error("model.onnx of round %d not published for devices (%s); copy it to them instead", round_, exc)
 
     def _shutdown(self) -> None:
         try:

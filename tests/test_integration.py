@@ -119,3 +119,19 @@ def test_simulate_command_end_to_end(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     best_round = max(rows, key=lambda r: r["accuracy"])["round"]
     assert Predictor(out / "model.onnx").meta["round"] == best_round  # model.onnx: the best round's model
+
+
+def test_device_fetches_the_exported_model(federation, broker) -> None:
+    orch, _ = federation("fetch", clients=2, rounds=2)
+    orch.run()
+    out = orch.out_dir / "device" / "model.onnx"
+    env = {**os.environ, "EDGEFL_PASSWORD": broker.devices["client-00"].password}
+    cmd = [sys.executable, "-m", "edge_client.cli", "fetch-model", "--broker", broker.url, "--client-id", "client-00",
+           "--job", "fetch", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == (orch.out_dir / "model.onnx").read_bytes()  # the best model, byte for byte
+    test = load_dataset("digits", seed=0).test
+    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+    best = max(rows, key=lambda r: r["accuracy"])
+    assert (Predictor(out).predict(test.x) == test.y).mean() == pytest.approx(best["accuracy"], abs=1e-9)
