@@ -112,6 +112,7 @@ class Orchestrator:
             TrainSettings(t.local_steps, t.lr, t.batch_size, config.clients.fraction),
             config.algorithm_params(),
             config.run.seed,
+            rounds=config.run.rounds,
         )
         self.root = root
         self.clients: dict[str, ClientRecord] = {}

@@ -84,6 +84,7 @@ def test_acl_rules_text() -> None:
         "pattern read edgefl/j1/c/%u/down",
         "pattern read edgefl/j1/broadcast",
         "pattern read edgefl/j1/server",
+        "pattern read edgefl/j1/model",
         "user srv",
         "topic readwrite edgefl/#",
     ]

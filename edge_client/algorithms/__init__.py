@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.drag import DragClient
+from edge_client.algorithms.drag_br import DragBRClient
+from edge_client.algorithms.fedacg import FedACGClient
 from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.algorithms.fednova import FedNovaClient
+from edge_client.algorithms.fedprox import FedProxClient
+from edge_client.algorithms.fedprox_taco import FedProxTacoClient
+from edge_client.algorithms.fedumf import FedUmfClient
+from edge_client.algorithms.fedveca import FedVecaClient
+from edge_client.algorithms.foolsgold import FoolsGoldClient
+from edge_client.algorithms.scaffold import ScaffoldClient
+from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
+from edge_client.algorithms.stem import StemClient
+from edge_client.algorithms.taco import TacoClient
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {
-    FedAvgClient.name: FedAvgClient,
-}
+    cls.name: cls
+    for cls in (
+        FedAvgClient, FedProxClient, FoolsGoldClient, ScaffoldClient, StemClient, FedACGClient, TacoClient,
+        FedProxTacoClient, ScaffoldTacoClient, DragClient, DragBRClient, FedUmfClient, FedNovaClient, FedVecaClient,
+    )
+}  # fmt: skip
 
 
 def client_algorithm(name: str) -> ClientAlgorithm:

@@ -43,8 +43,9 @@ class FedUmfClient(ClientAlgorithm):
         # i in S_t ∩ S_{t-1}^c, with the increment computed in round t-1 (not staler than one round).
         if selected and self.stored is not None and self.stored_round == t - 1 and not self.stored_selected:
             if self.stored.numel() != ctx.flat.size:
-                log.warning("fedumf: stored update has %d values, the model %d; not fused",
-                            self.stored.numel(), ctx.flat.size)
+                log.warning(
+                    "fedumf: stored update has %d values, the model %d; not fused", self.stored.numel(), ctx.flat.size
+                )
             else:
                 alpha = float(ctx.param("alpha", 1.0))
                 lr = float(ctx.param("lr", ctx.assignment.lr))

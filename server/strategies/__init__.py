@@ -5,16 +5,41 @@ from __future__ import annotations
 from typing import Any
 
 from server.strategies.base import Instructions, ServerContext, Strategy, TrainSettings
+from server.strategies.drag import Drag
+from server.strategies.drag_br import DragBR
+from server.strategies.fedacg import FedACG
 from server.strategies.fedavg import FedAvg
+from server.strategies.fednova import FedNova
+from server.strategies.fedprox import FedProx
+from server.strategies.fedprox_taco import FedProxTaco
+from server.strategies.fedumf import FedUmf
+from server.strategies.fedveca import FedVeca
+from server.strategies.foolsgold import FoolsGold
+from server.strategies.scaffold import Scaffold
+from server.strategies.scaffold_taco import ScaffoldTaco
+from server.strategies.stem import Stem
+from server.strategies.taco import Taco
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg,)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        FedAvg, FedProx, FoolsGold, Scaffold, Stem, FedACG, Taco, FedProxTaco, ScaffoldTaco,
+        Drag, DragBR, FedUmf, FedNova, FedVeca,
+    )
+}  # fmt: skip
 
 __all__ = ["STRATEGIES", "Instructions", "ServerContext", "Strategy", "TrainSettings", "make_strategy"]
 
 
-def make_strategy(name: str, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> Strategy:
+def make_strategy(
+    name: str, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0, rounds: int = 0
+) -> Strategy:
+    """The strategy ``name``; ``rounds`` (the run's total) fills a ``rounds`` parameter the config left unset."""
     try:
         cls = STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(STRATEGIES)}") from None
+    params = dict(params or {})
+    if rounds and "rounds" in cls.defaults and "rounds" not in params:
+        params["rounds"] = rounds
     return cls(settings, params, seed)

@@ -57,9 +57,16 @@ class Taco(Strategy):
     clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
     (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
     client's update of its expulsion round is still aggregated (``drop_on_expel_round`` drops it); no re-admission.
+    Added guard (not in the paper): a round's expulsions are skipped (strikes kept, warning logged) when they would
+    leave no active client - with few, similar honest clients (e.g. 3 IID ones: alpha ~ 0.67 cos) every client can
+    pass kappa, and expelling all of them would stall the run.
+    (8) Freeloaders are simulated by ``edge_client.behaviours`` (upload ``w_{t-1} - w_t``, zeros at first).
     (9) ``outputs`` gives eq. 15's z every round with the mean alpha over non-expelled scored clients
-    (``output = "w"`` skips it). (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
+    (``output = "w"`` skips it). (10) The experiments' settings: ``gamma = 1/K`` and eq. 9 weights, not the theory's
+    gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
+    (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
+    Note: ``instructions`` records the client as a recipient of the current version (call it only when sending).
 
     Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
     ``K = settings.local_steps`` (so the paper's grid value gamma = 0 is not expressible; use a tiny positive value);
@@ -146,19 +153,42 @@ class Taco(Strategy):
         return instr
 
     def _strike(self, client_id: str, alpha: float) -> bool:
-        """Eq. 10: count a strike when ``alpha >= kappa``; True when this strike expels the client."""
+        """Eq. 10: count a strike when ``alpha >= kappa``; True when the client has reached the expulsion limit."""
         if alpha < self.params["kappa"]:
             return False
         strikes = self.strikes[client_id] = self.strikes.get(client_id, 0) + 1
         limit = self.lambda_expel
-        if strikes > limit if self.params["expel_strictly_greater"] else strikes >= limit:
-            self.expelled.append(client_id)
+        return strikes > limit if self.params["expel_strictly_greater"] else strikes >= limit
+
+    def _expel(self, round_: int, candidates: list[str]) -> set[str]:
+        """Expel ``candidates`` unless that would leave no active client (then nobody this round; strikes stay)."""
+        if not candidates:
+            return set()
+        known = set(self.ctx.clients) | set(self.alpha)
+        if not known - set(self.expelled) - set(candidates):
             log.warning(
-                "%s: expelled %s as a suspected freeloader (alpha %.4f >= kappa %.2f, %d strikes, lambda %g)",
-                self.name, client_id, alpha, self.params["kappa"], strikes, limit,
+                "%s: round %d: %s reached %g strikes, but expelling them would leave no client; kept for now "
+                "(kappa %.2f is too low for this federation?)",
+                self.name,
+                round_,
+                candidates,
+                self.lambda_expel,
+                self.params["kappa"],
             )
-            return True
-        return False
+            return set()
+        for cid in candidates:
+            self.expelled.append(cid)
+            log.warning(
+                "%s: round %d: expelled %s as a suspected freeloader (alpha %.4f >= kappa %.2f, %d strikes, lambda %g)",
+                self.name,
+                round_,
+                cid,
+                self.alpha[cid],
+                self.params["kappa"],
+                self.strikes[cid],
+                self.lambda_expel,
+            )
+        return set(candidates)
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         gone = set(self.expelled)
@@ -169,11 +199,12 @@ class Taco(Strategy):
         if not updates:
             return weights
         alphas = taco_alphas([u.delta for u in updates])
-        expelled_now: set[str] = set()
+        candidates = []
         for u, a in zip(updates, alphas, strict=True):
             self.alpha[u.client_id] = float(a)
             if self._strike(u.client_id, float(a)):
-                expelled_now.add(u.client_id)
+                candidates.append(u.client_id)
+        expelled_now = self._expel(round_, candidates)
         keep = [u for u in updates if u.client_id not in expelled_now]
         if self.params["drop_on_expel_round"] and keep:
             p = normalise([self.alpha[u.client_id] for u in keep])

@@ -1,0 +1,96 @@
+"""FedACG server half (ALGORITHMS.md 2.0 lines 5/19/22, 2.6; [RECOMMENDED] "original" mode after Kim, Kim, Han,
+CVPR 2024), in the descent-positive convention with ``m_0 = 0``:
+
+    original:      clients start from the look-ahead w_hat_t = w_t - lambda m_t (sent as Instructions.weights),
+                   prox centre w_hat_t, delta_i = w_hat_t - w_{i,K}
+                   m_next = lambda m_t + sum_i p_i delta_i          p_i = D_i / D (``weighting = "samples"``, line 22)
+                   w_next = w_t - m_next  (= w_hat_t - sum_i p_i delta_i)
+    taco_literal:  clients start from w_t (line 4), prox centre w_hat_t sent as the array "centre" (2.6 (f)),
+                   delta_i = w_t - w_{i,K}
+                   w_next = w_t - K' sum_i p_i delta_i - lambda m_t  (line 22 with eta_g = K eta_l: K' = K, the
+                                                                     missing K of 2.0; ``include_K`` makes K' = 1)
+                   m_next = lambda m_t + sum_i p_i delta_i
+
+``lambda`` is ``server_momentum`` (0.85 [EXTERNAL], not in TACO), ``beta`` the prox coefficient (0.001, TACO).
+The strategy returns ``w_next``, which is what the orchestrator evaluates (C8); only the clients see the look-ahead.
+Round 1: ``m = 0``, so every client gets the global model itself and (original mode) round 1 is FedProx with
+``zeta = beta`` and data-size weights (2.6 (f)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edge_client.protocol import Update
+from server.strategies.base import Instructions, Strategy, TrainSettings
+from server.strategies.common import aggregation_weights, weighted_sum
+
+
+class FedACG(Strategy):
+    """Server state: ``m`` and the look-ahead model (both kept as lists in ``state_dict``)."""
+
+    name = "fedacg"
+    description = "server momentum with a look-ahead model that clients start from and stay close to (prox beta)"
+    defaults: ClassVar[dict[str, Any]] = {
+        "beta": 0.001,
+        "server_momentum": 0.85,
+        "weighting": "samples",
+        "mode": "original",
+        "include_K": False,
+    }
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "weighting": ("uniform", "samples"),
+        "mode": ("original", "taco_literal"),
+    }
+
+    def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(settings, params, seed)
+        beta, lam = self.params["beta"], self.params["server_momentum"]
+        if not math.isfinite(beta) or beta < 0:
+            raise ValueError(f"{self.name}.beta must be a finite number >= 0; got {beta!r}")
+        if not 0 <= lam < 1:
+            raise ValueError(f"{self.name}.server_momentum must be in [0, 1); got {lam!r}")
+        self.m: np.ndarray | None = None  # None until the first aggregation (m_0 = 0)
+        self.lookahead: np.ndarray | None = None  # w_t - lambda m_t, None while it is w_0 itself
+
+    def instructions(self, round_: int, client_id: str) -> Instructions:
+        instr = super().instructions(round_, client_id)
+        instr.params["beta"] = float(self.params["beta"])
+        if self.lookahead is not None:
+            if self.params["mode"] == "original":
+                instr.weights = self.lookahead
+            else:
+                instr.arrays["centre"] = self.lookahead
+        return instr
+
+    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+        lam = np.float32(self.params["server_momentum"])
+        p = aggregation_weights(updates, self.params["weighting"])
+        mean = weighted_sum(p, (u.delta for u in updates), weights)
+        m = np.zeros_like(mean) if self.m is None else self.m
+        m_next = lam * m + mean
+        if self.params["mode"] == "original":
+            new = weights - m_next
+        else:
+            k = 1 if self.params["include_K"] else self.settings.local_steps
+            new = weights - np.float32(k) * mean - lam * m
+        self.m = m_next.astype(np.float32)
+        self.lookahead = (new - lam * self.m).astype(np.float32)
+        return new.astype(np.float32)
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {} if self.m is None else {"m_norm": float(np.linalg.norm(self.m))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "m": None if self.m is None else self.m.tolist(),
+            "lookahead": None if self.lookahead is None else self.lookahead.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        m, la = state.get("m"), state.get("lookahead")
+        self.m = None if m is None else np.asarray(m, dtype=np.float32)
+        self.lookahead = None if la is None else np.asarray(la, dtype=np.float32)

@@ -1,0 +1,193 @@
+"""FedVeca server half (ALGORITHMS.md 2.11 (b)): vectorised averaging with adaptive per-client local steps.
+
+Each round k the server forms ``grad F(w_k) = sum_i p_i h_i`` (eq. 8) and ``w_{k+1} = w_k - eta tau_k sum_i p_i G_i``
+(eq. 5) with ``p_i = D_i / D`` and ``tau_k = sum_i p_i tau_(k,i)`` over the steps the clients actually ran, estimates
+the smoothness L (Alg. 1 lines 11-16, diagnostic) and picks every client's next tau from its beta and delta (eq. 15).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edge_client.protocol import Update
+from server.strategies.base import Instructions, Strategy, TrainSettings
+from server.strategies.common import EPS, aggregation_weights, weighted_sum
+
+log = logging.getLogger("edgefl.server")
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _a_value(lr: float, beta: float, delta: float) -> float:
+    """``A = eta beta^2 delta``; overflows to inf (never raises, unlike float ``**``) so (f)7 can keep the old tau."""
+    b = float(beta)
+    return lr * b * b * float(delta)
+
+
+class FedVeca(Strategy):
+    """FedVeca (ALGORITHMS.md 2.11) with the [RECOMMENDED] resolutions of (f); deviations are marked below.
+
+    Round numbering: the orchestrator numbers rounds from 1; k counts the aggregations done so far (k = round - 1
+    whenever every round produced updates). Counting aggregations rather than using ``round - 1`` keeps the protocol
+    consistent if a round aggregates nothing: adaptation then starts with the first round whose clients really
+    received ``P`` (otherwise every client would report delta = 0, hence A = 0, and (f)7 would give all of them
+    tau_max).
+
+    * tau: rounds k = 0 and 1 use ``tau_init`` (line 24, (f)10); from k = 1 on, after aggregating,
+      ``A_i = eta beta_i^2 delta_i``, ``m = min`` over the finite A_i, ``x_i = A_i / (A_i - alpha_k m)`` (eq. 15),
+      ``tau = floor(x_i + 1e-9)`` -> ``tau_min_reset`` if ``tau <= 1`` (lines 19-21) -> ``min(tau, tau_max)`` ((f)6).
+      Degenerate A ((f)7): a non-finite or negative A_i (a negative one cannot come from a correct client) keeps the
+      client's previous tau; with ``m = 0`` clients with ``A_i = 0`` get ``tau_max`` and the others ``x = 1`` -> reset.
+      Clients that did not report keep their tau; a client the server has never seen gets ``tau_init``.
+    * ``tau_init = 0`` means ``min(tau_max, floor(1/(1-alpha_k) + 1e-9))`` (= 20 for alpha_k = 0.95); an explicit
+      value is also capped at ``tau_max``. ``settings.local_steps`` is not used.
+    * L ((f)8, (f)9): ``L_0 = ||grad F(w_0)|| / ||w_0||`` (skipped if ``||w_0|| < 1e-12``), ``L_{k-1} = ||grad
+      F(w_{k-1}) - grad F(w_{k-2})|| / ||w_{k-1} - w_{k-2}||`` (skipped if the step is below 1e-12), ``L`` = running
+      max, folded in at round k as printed (so L is None at k = 0). Each L_j is computed as soon as its inputs exist
+      (at round j) and held until round j + 1, so only ``grad F(w_{k-1})`` and the scalar ``||w_k - w_{k-1}||`` are
+      kept, not ``w_{k-1}, w_{k-2}, grad F(w_{k-2})``. L is only a diagnostic (``eta tau_k L``, Fig. 4); alpha_k stays
+      fixed, with a warning when it leaves the admissible range ``alpha_k < 2L/m``; ``enforce_alpha_range`` is not
+      implemented.
+    * Downlink: ``local_steps = tau_(k,i)`` and ``params["P"] = ||grad F(w_{k-1})||^2`` (0 in round k = 0), the scalar
+      form of Alg. 1 line 9 ((f)13); the client needs only that norm for delta ((f)4).
+    """
+
+    name = "fedveca"
+    description = "FedNova-style averaging; per-client local steps adapted from local smoothness estimates"
+    defaults: ClassVar[dict[str, Any]] = {"alpha_k": 0.95, "tau_max": 50, "tau_min_reset": 2, "tau_init": 0}
+    required_extras: ClassVar[tuple[str, ...]] = ("beta", "delta")
+    required_arrays: ClassVar[tuple[str, ...]] = ("grad", "G")
+
+    def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(settings, params, seed)
+        self.alpha_k: float = self.params["alpha_k"]
+        self.tau_max: int = self.params["tau_max"]
+        self.tau_min_reset: int = self.params["tau_min_reset"]
+        if not 0.0 < self.alpha_k < 1.0:
+            raise ValueError(f"fedveca.alpha_k must be in (0, 1); got {self.alpha_k}")
+        if self.tau_max < 1:
+            raise ValueError(f"fedveca.tau_max must be >= 1; got {self.tau_max}")
+        if not 1 <= self.tau_min_reset <= self.tau_max:
+            raise ValueError(f"fedveca.tau_min_reset must be in [1, tau_max]; got {self.tau_min_reset}")
+        if self.params["tau_init"] < 0:
+            raise ValueError(f"fedveca.tau_init must be >= 0 (0: the default rule); got {self.params['tau_init']}")
+        rule = math.floor(1.0 / (1.0 - self.alpha_k) + 1e-9)
+        self.tau_init: int = min(self.tau_max, self.params["tau_init"] or rule)
+        self.k = 0  # aggregations done = the FedVeca round index of the next aggregation
+        self.tau: dict[str, int] = {}  # tau_(k,i) each client is told next
+        self.L: float | None = None  # running max of L_0 .. L_{k-1}
+        self.L_pending: float | None = None  # L_{k-1}, folded into L at round k
+        self.P = 0.0  # ||grad F(w_{k-1})||^2 for the clients of round k
+        self.prev_grad: np.ndarray | None = None  # grad F(w_{k-1})
+        self.step_norm: float | None = None  # ||w_k - w_{k-1}||
+        self._metrics: dict[str, Any] = {}
+
+    # -- downlink ----------------------------------------------------------------------------------------------------
+    def instructions(self, round_: int, client_id: str) -> Instructions:
+        s = self.settings
+        return Instructions(
+            local_steps=self.tau.get(client_id, self.tau_init), lr=s.lr, batch_size=s.batch_size, params={"P": self.P}
+        )
+
+    # -- aggregation -------------------------------------------------------------------------------------------------
+    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+        k, lr = self.k, self.settings.lr
+        p = aggregation_weights(updates, "samples")  # p_i = D_i / D over the updates received
+        grad_f = weighted_sum(p, (u.arrays["grad"] for u in updates), weights)  # eq. (8)
+        tau_k = float(sum(pi * u.local_steps for pi, u in zip(p, updates, strict=True)))  # steps actually run
+        d_k = weighted_sum(p, (u.arrays["G"] for u in updates), weights)
+        new = (weights - np.float32(lr * tau_k) * d_k).astype(np.float32, copy=False)  # eq. (5)
+
+        # L: fold in L_{k-1} (lines 11-16), then prepare L_k for the next round.
+        if self.L_pending is not None:
+            self.L = self.L_pending if self.L is None else max(self.L, self.L_pending)
+        norm_grad = float(np.linalg.norm(grad_f.astype(np.float64)))
+        if k == 0 or self.prev_grad is None:
+            norm_w = float(np.linalg.norm(weights.astype(np.float64)))
+            pending = norm_grad / norm_w if norm_w >= EPS else None  # L_0, guard (f)9
+        else:
+            num = float(np.linalg.norm(grad_f.astype(np.float64) - self.prev_grad.astype(np.float64)))
+            step = self.step_norm
+            pending = num / step if step is not None and step >= EPS else None
+        self.L_pending = _finite_or_none(pending)
+        self.prev_grad = grad_f
+        self.step_norm = float(np.linalg.norm(new.astype(np.float64) - weights.astype(np.float64)))
+        self.P = norm_grad**2  # used by the clients of round k + 1
+
+        a_values: dict[str, float] = {}
+        for u in updates:  # k = 0: tau_(1,i) = tau_(0,i) (line 24); k >= 1: kept unless eq. (15) gives a value
+            self.tau.setdefault(u.client_id, self.tau_init)
+        if k >= 1:
+            a_values = {u.client_id: _a_value(lr, u.extras["beta"], u.extras["delta"]) for u in updates}
+            self.tau.update(self.next_tau(a_values))
+        tau_next = float(sum(pi * self.tau.get(u.client_id, self.tau_init) for pi, u in zip(p, updates, strict=True)))
+        self._check_alpha(a_values)
+        self._metrics = {
+            "k": k,
+            "tau": dict(sorted(self.tau.items())),
+            "tau_k": tau_k,
+            "tau_next": tau_next,  # line 18, after reset and clamp ((f)6)
+            "L": self.L,
+            "eta_tau_L": None if self.L is None else lr * tau_k * self.L,
+            "A": {cid: _finite_or_none(a) for cid, a in a_values.items()},
+        }
+        self.k += 1
+        return new
+
+    def next_tau(self, a_values: dict[str, float]) -> dict[str, int]:
+        """Eq. (15) with floor(x + 1e-9), reset to ``tau_min_reset``, clamp ``tau_max``; degenerate A per (f)7."""
+        valid = {cid: a for cid, a in a_values.items() if math.isfinite(a) and a >= 0.0}
+        if not valid:
+            return {}
+        m = min(valid.values())
+        out: dict[str, int] = {}
+        for cid, a in valid.items():
+            if a == 0.0:  # m = 0 and this client's bound (29) sets no upper limit
+                out[cid] = self.tau_max
+                continue
+            tau = math.floor(a / (a - self.alpha_k * m) + 1e-9)
+            if tau <= 1:
+                tau = self.tau_min_reset
+            out[cid] = min(tau, self.tau_max)
+        return out
+
+    def _check_alpha(self, a_values: dict[str, float]) -> None:
+        """(f)8: keep alpha_k fixed, but say so when it leaves (0, 2L/min A) while 2L/min A < 1."""
+        finite = [a for a in a_values.values() if math.isfinite(a) and a > 0.0]
+        if self.L is None or not finite:
+            return
+        bound = 2.0 * self.L / min(finite)
+        if bound < 1.0 and self.alpha_k >= bound:
+            log.warning("fedveca round k=%d: alpha_k=%g is outside (0, 2L/min A = %.4g)", self.k, self.alpha_k, bound)
+
+    # -- reporting and checkpoints -----------------------------------------------------------------------------------
+    def round_metrics(self) -> dict[str, Any]:
+        return dict(self._metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable; ``prev_grad`` (grad F(w_{k-1}), d floats) is the one vector kept, as a list."""
+        return {
+            "k": self.k,
+            "tau": dict(self.tau),
+            "L": self.L,
+            "L_pending": self.L_pending,
+            "P": self.P,
+            "prev_grad": None if self.prev_grad is None else self.prev_grad.tolist(),
+            "step_norm": self.step_norm,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.k = int(state["k"])
+        self.tau = {str(c): int(t) for c, t in state["tau"].items()}
+        self.L = state["L"]
+        self.L_pending = state["L_pending"]
+        self.P = float(state["P"])
+        grad = state["prev_grad"]
+        self.prev_grad = None if grad is None else np.asarray(grad, dtype=np.float32)
+        self.step_norm = state["step_norm"]

@@ -1,0 +1,80 @@
+"""STEM server half (ALGORITHMS.md 2.5, TACO Algorithm 1 line 21).
+
+As printed, ``Delta_{t+1} = 1/(K N eta_l) sum_i (Delta_i + v_{i,K-1})`` and ``w_{t+1} = w_t - eta_g Delta_{t+1}``;
+with ``eta_g = K eta_l`` (C2) that is ``w_{t+1} = w_t - mean_i delta_i - server_v_coeff * mean_i v_i``.
+
+Resolutions chosen (2.5 (f)):
+
+* (3) ``server_v_coeff`` defaults to 1.0, the [LITERAL] rule TACO's STEM numbers need (an extra server step of rate 1
+  along the mean momentum, which mixes a model difference with a gradient-scale vector); the alternatives of (f)3 are
+  the numbers ``eta_l`` or ``K * eta_l``, written as the value of ``server_v_coeff``.
+* (2) ``alpha`` (``alpha_t``) is the constant 0.2 [RECOMMENDED]; the paper gives no update rule.
+* (1) ``init`` = ``"grad"`` (default: ``v_0 = g_0``) or ``"server_avg"``: the server also sends
+  ``v_bar`` = the weighted mean of last round's ``v_i`` (``arrays["v_bar"]``, d floats more per client); none in
+  round 1 or before any round aggregated ((f)5: the client falls back to ``"grad"``).
+* ``weighting`` defaults to ``"uniform"`` (the printed ``1/N``, C3); ``"samples"`` weights delta and v by ``D_i/D``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from edge_client.protocol import Update
+from server.strategies.base import Instructions, Strategy, TrainSettings
+from server.strategies.common import aggregation_weights, weighted_sum
+
+
+class Stem(Strategy):
+    name = "stem"
+    description = "STEM: clients step along a two-gradient momentum v; the server adds the mean v to the average"
+    defaults: ClassVar[dict[str, Any]] = {
+        "alpha": 0.2,  # alpha_t, momentum parameter of the client recursion (constant)
+        "server_v_coeff": 1.0,  # multiplies mean_i v_i in the server rule (1.0 = literal)
+        "init": "grad",  # step-0 direction: "grad" (v_0 = g_0) or "server_avg" (uses the server's v_bar)
+        "weighting": "uniform",  # p_i: "uniform" 1/|S_t| or "samples" D_i/D
+    }
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "init": ("grad", "server_avg"),
+        "weighting": ("uniform", "samples"),
+    }
+    required_arrays: ClassVar[tuple[str, ...]] = ("v",)
+
+    def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(settings, params, seed)
+        if not 0.0 <= self.params["alpha"] <= 1.0:
+            raise ValueError(f"{self.name}.alpha must be in [0, 1]; got {self.params['alpha']!r}")
+        self.v_bar: np.ndarray | None = None  # weighted mean of the last aggregated round's v_i ("server_avg")
+
+    def instructions(self, round_: int, client_id: str) -> Instructions:
+        s, p = self.settings, self.params
+        arrays: dict[str, np.ndarray] = {}
+        if p["init"] == "server_avg" and self.v_bar is not None:
+            arrays["v_bar"] = self.v_bar
+        return Instructions(
+            local_steps=s.local_steps,
+            lr=s.lr,
+            batch_size=s.batch_size,
+            params={"alpha": p["alpha"], "init": p["init"]},
+            arrays=arrays,
+        )
+
+    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+        p = aggregation_weights(updates, self.params["weighting"])
+        mean_delta = weighted_sum(p, (u.delta for u in updates), weights)
+        mean_v = weighted_sum(p, (u.arrays["v"] for u in updates), weights)
+        if self.params["init"] == "server_avg":
+            self.v_bar = mean_v.copy()
+        return weights - mean_delta - np.float32(self.params["server_v_coeff"]) * mean_v
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {"alpha": self.params["alpha"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``v_bar`` as a list of floats (d numbers in the JSON checkpoint, only with ``init = "server_avg"``)."""
+        return {"v_bar": None if self.v_bar is None else self.v_bar.tolist()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        v_bar = state.get("v_bar")
+        self.v_bar = None if v_bar is None else np.asarray(v_bar, dtype=np.float32)

@@ -1,0 +1,265 @@
+"""SCAFFOLD (ALGORITHMS.md 2.4): the client's corrected steps and c_i update with the steps actually taken, the
+server's c update with 1/N over all registered clients, round 1 == FedAvg, state round trips."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from edge_client.algorithms.base import LocalContext
+from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.algorithms.scaffold import ScaffoldClient
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
+from edge_client.protocol import Assignment, InvalidField, MissingField, ShapeMismatch, Update
+from edge_client.trainer import train_local
+from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.fedavg import FedAvg
+from server.strategies.scaffold import Scaffold
+
+LR, BATCH, D = 0.1, 4, 8  # nn.Linear(3, 2) has 8 parameters
+
+
+def tiny_model(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def flat_of(module: nn.Module) -> np.ndarray:
+    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()]).astype(np.float32)
+
+
+def dataset(seed: int = 7, n: int = 12) -> ArrayDataset:
+    rng = np.random.default_rng(seed)
+    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
+
+
+def assignment(weights: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0) -> Assignment:
+    return Assignment(
+        1, 0, steps, LR, BATCH, 60.0, "scaffold", {}, weights, params={"alpha": alpha}, arrays={"c": c.copy()}
+    )
+
+
+def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, cid: str = "c0"):
+    data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
+    sampler = BatchSampler(len(data), BATCH, 0, cid)
+    return train_local(FlatModel(tiny_model(seed=99)), data, sampler, assignment(start, steps, c, alpha), client)
+
+
+def manual_sgd(start: np.ndarray, steps: int, constant: np.ndarray, cid: str = "c0") -> np.ndarray:
+    """``steps`` SGD steps along autograd's CE gradient plus a constant vector (the spec's v = g + alpha (c - c_i))."""
+    w = torch.from_numpy(start.copy())
+    data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
+    sampler = BatchSampler(len(data), BATCH, 0, cid)
+    for _ in range(steps):
+        idx = sampler.next()
+        weight = w[:6].view(2, 3).clone().requires_grad_(True)
+        bias = w[6:].clone().requires_grad_(True)
+        loss = nn.functional.cross_entropy(
+            torch.from_numpy(data.x[idx]) @ weight.T + bias, torch.from_numpy(data.y[idx])
+        )
+        gw, gb = torch.autograd.grad(loss, [weight, bias])
+        g = torch.cat([gw.reshape(-1), gb]) + torch.from_numpy(constant)
+        w = w - LR * g
+    return w.numpy()
+
+
+def test_client_round_matches_the_formulas() -> None:
+    rng = np.random.default_rng(0)
+    start = flat_of(tiny_model(seed=1))
+    c, c_i = rng.normal(size=D).astype(np.float32), rng.normal(size=D).astype(np.float32)
+    client = ScaffoldClient()
+    client.load_state_dict({"c_i": c_i.copy()})
+    alpha, steps = 0.5, 6
+    result = run_client(client, start, steps, c, alpha)
+    end = manual_sgd(start, steps, alpha * (c - c_i))
+    np.testing.assert_allclose(start - result.delta, end, rtol=0, atol=1e-5)
+    delta = start - end
+    new_c_i = c_i - c + delta / (steps * LR)  # 2.4 (a)
+    np.testing.assert_allclose(client.state_dict()["c_i"], new_c_i, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(result.arrays["delta_c"], new_c_i - c_i, rtol=0, atol=1e-4)
+    assert result.arrays["delta_c"].dtype == np.float32
+
+
+def test_alpha_is_read_every_round() -> None:
+    rng = np.random.default_rng(1)
+    start = flat_of(tiny_model(seed=1))
+    c, c_i = rng.normal(size=D).astype(np.float32), rng.normal(size=D).astype(np.float32)
+    for alpha in (0.0, 2.0):
+        client = ScaffoldClient()
+        client.load_state_dict({"c_i": c_i.copy()})
+        result = run_client(client, start, 4, c, alpha)
+        np.testing.assert_allclose(start - result.delta, manual_sgd(start, 4, alpha * (c - c_i)), atol=1e-5)
+    with pytest.raises(ValueError, match="alpha"):
+        a = assignment(start, 2, c)
+        a.params = {}
+        data = dataset()
+        train_local(FlatModel(tiny_model()), data, BatchSampler(len(data), BATCH, 0, "c0"), a, ScaffoldClient())
+
+
+def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int, c: np.ndarray) -> tuple:
+    """The trainer's loop, stopped after ``taken`` of the ``told`` steps (a client that ran out of time)."""
+    flat = FlatModel(tiny_model(seed=3))
+    flat.load(start)
+    data = dataset()
+    sampler = BatchSampler(len(data), BATCH, 0, "c0")
+    ctx = LocalContext(flat, flat.params.clone(), assignment(start, told, c), data, sampler)
+    client.begin_round(ctx)
+    for step in range(taken):
+        idx = sampler.next()
+        flat.loss_and_grad(torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx]))
+        client.correct(ctx, step, None, None)
+        flat.params.add_(flat.grad, alpha=-LR)
+    delta = (ctx.start - flat.params).numpy()
+    return delta, client.end_round(ctx, delta)[1]["delta_c"]
+
+
+def test_c_i_uses_the_steps_actually_taken() -> None:
+    rng = np.random.default_rng(2)
+    start = flat_of(tiny_model(seed=1))
+    c = rng.normal(size=D).astype(np.float32)
+    client = ScaffoldClient()
+    delta, delta_c = drive_hooks(client, start, told=5, taken=3, c=c)
+    np.testing.assert_allclose(delta_c, delta / (3 * LR) - c, rtol=0, atol=1e-4)  # K_i = 3, not tau = 5
+    assert np.abs(delta / (5 * LR) - c - delta_c).max() > 1e-2
+    np.testing.assert_allclose(client.state_dict()["c_i"], delta / (3 * LR) - c, atol=1e-4)
+    # no step at all: c_i stays, delta_c = 0
+    before = client.state_dict()["c_i"]
+    delta, delta_c = drive_hooks(client, start, told=5, taken=0, c=c)
+    assert not delta.any() and not delta_c.any()
+    np.testing.assert_array_equal(client.state_dict()["c_i"], before)
+
+
+def test_c_i_uses_a_per_client_tau() -> None:
+    # The server may tell a client fewer steps than the run's K: the client's K_i is what it ran (reported).
+    start = flat_of(tiny_model(seed=1))
+    c = np.full(D, 0.1, dtype=np.float32)
+    client = ScaffoldClient()
+    result = run_client(client, start, 3, c)
+    assert result.local_steps == 3
+    np.testing.assert_allclose(result.arrays["delta_c"], result.delta / (result.local_steps * LR) - c, atol=1e-4)
+
+
+def test_round_one_is_fedavg() -> None:
+    start = flat_of(tiny_model(seed=1))
+    zeros = np.zeros(D, dtype=np.float32)
+    results = {}
+    for cid in ("a", "b"):
+        s = run_client(ScaffoldClient(), start, 5, zeros, cid=cid)
+        f = run_client(FedAvgClient(), start, 5, zeros, cid=cid)
+        np.testing.assert_array_equal(s.delta, f.delta)
+        results[cid] = s
+    server = make_server(["a", "b"])
+    np.testing.assert_array_equal(server.instructions(1, "a").arrays["c"], zeros)
+    fedavg = FedAvg(TrainSettings(5, LR, BATCH))
+    ups = [update(cid, r.delta, r.arrays["delta_c"]) for cid, r in results.items()]
+    np.testing.assert_array_equal(server.aggregate(1, start, ups), fedavg.aggregate(1, start, ups))
+
+
+def make_server(clients: list[str], params: dict | None = None, samples: dict | None = None) -> Scaffold:
+    server = Scaffold(TrainSettings(local_steps=5, lr=LR, batch_size=BATCH), params)
+    server.setup(ServerContext(model_spec={}, num_params=D, clients={c: (samples or {}).get(c, 1) for c in clients}))
+    return server
+
+
+def update(cid: str, delta: np.ndarray, delta_c: np.ndarray | None, samples: int = 1, steps: int = 5) -> Update:
+    arrays = {} if delta_c is None else {"delta_c": np.asarray(delta_c, dtype=np.float32)}
+    return Update(1, 0, cid, samples, steps, 0.0, 0.0, 0.0, np.asarray(delta, dtype=np.float32), arrays=arrays)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "samples"])
+def test_server_c_update_divides_by_all_registered_clients(weighting: str) -> None:
+    rng = np.random.default_rng(3)
+    samples = {"a": 2, "b": 6, "c": 1, "d": 1}
+    server = make_server(list(samples), {"weighting": weighting}, samples)
+    w = rng.normal(size=D).astype(np.float32)
+    c = np.zeros(D)
+    for round_ in (1, 2):
+        d = {k: rng.normal(size=D) for k in ("a", "b")}  # partial participation: 2 of 4
+        dc = {k: rng.normal(size=D) for k in ("a", "b")}
+        ups = [update(k, d[k], dc[k], samples[k]) for k in ("a", "b")]
+        sent = server.instructions(round_, "c").arrays["c"]
+        np.testing.assert_allclose(sent, c, atol=1e-6)
+        p = {"a": 0.5, "b": 0.5} if weighting == "uniform" else {"a": 2 / 8, "b": 6 / 8}
+        expected_w = w - (p["a"] * d["a"] + p["b"] * d["b"])
+        w = server.aggregate(round_, w, ups)
+        np.testing.assert_allclose(w, expected_w, atol=1e-5)
+        c = c + (dc["a"] + dc["b"]) / 4  # N = 4 registered clients, not the 2 that reported
+        np.testing.assert_allclose(server.c, c, atol=1e-5)
+        np.testing.assert_allclose(sent, c - (dc["a"] + dc["b"]) / 4, atol=1e-6)  # handed-out c not mutated
+
+
+def test_server_c_equals_mean_of_all_c_i_under_partial_participation() -> None:
+    ids = ["a", "b", "c"]
+    clients = {k: ScaffoldClient() for k in ids}
+    server = make_server(ids)
+    w = flat_of(tiny_model(seed=4))
+    for round_, chosen in enumerate((["a", "b"], ["b", "c"], ["a", "c"]), start=1):
+        ups = []
+        for k in chosen:
+            instr = server.instructions(round_, k)
+            r = run_client(clients[k], w, instr.local_steps, instr.arrays["c"], instr.params["alpha"], cid=k)
+            ups.append(update(k, r.delta, r.arrays["delta_c"]))
+        w = server.aggregate(round_, w, ups)
+        c_i = [clients[k].state_dict().get("c_i", np.zeros(D, dtype=np.float32)) for k in ids]
+        np.testing.assert_allclose(server.c, np.mean(c_i, axis=0), atol=1e-5)
+    assert np.abs(server.c).max() > 1e-3
+
+
+def test_server_instructions_and_alpha_hook() -> None:
+    server = make_server(["a", "b"])
+    instr = server.instructions(1, "a")
+    assert instr.params == {"alpha": 1.0}
+    assert set(instr.arrays) == {"c"} and instr.arrays["c"].shape == (D,)
+    assert Scaffold.required_arrays == ("delta_c",)
+
+    class Tailored(Scaffold):
+        def alpha_for(self, client_id: str) -> float:
+            return 0.3 if client_id == "a" else 0.9
+
+    tailored = Tailored(TrainSettings(5, LR, BATCH))
+    tailored.setup(ServerContext(model_spec={}, num_params=D, clients={"a": 1}))
+    assert tailored.instructions(1, "a").params["alpha"] == 0.3
+    assert tailored.instructions(1, "b").params["alpha"] == 0.9
+    with pytest.raises(ValueError):
+        Scaffold(TrainSettings(5, LR, BATCH), {"weighting": "median"})
+
+
+def test_server_rejects_updates_without_a_valid_delta_c() -> None:
+    server = make_server(["a"])
+    with pytest.raises(MissingField):
+        server.check_update(update("a", np.zeros(D), None))
+    with pytest.raises(ShapeMismatch):
+        server.check_update(update("a", np.zeros(D), np.zeros(D + 1)))
+    bad = np.zeros(D)
+    bad[2] = np.nan
+    with pytest.raises(InvalidField):
+        server.check_update(update("a", np.zeros(D), bad))
+    server.check_update(update("a", np.zeros(D), np.zeros(D)))
+
+
+def test_state_round_trips() -> None:
+    client = ScaffoldClient()
+    assert client.state_dict() == {}
+    run_client(client, flat_of(tiny_model()), 3, np.full(D, 0.2, dtype=np.float32))
+    saved = client.state_dict()
+    restored = ScaffoldClient()
+    restored.load_state_dict(saved)
+    np.testing.assert_array_equal(restored.state_dict()["c_i"], saved["c_i"])
+    start = flat_of(tiny_model(seed=8))
+    c = np.full(D, -0.1, dtype=np.float32)
+    a, b = run_client(client, start, 3, c), run_client(restored, start, 3, c)
+    np.testing.assert_array_equal(a.delta, b.delta)
+    np.testing.assert_array_equal(a.arrays["delta_c"], b.arrays["delta_c"])
+
+    server = make_server(["a", "b"])
+    server.aggregate(1, np.zeros(D, dtype=np.float32), [update("a", np.ones(D), np.full(D, 0.5))])
+    state = json.loads(json.dumps(server.state_dict()))
+    other = make_server(["a", "b"])
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.c, server.c)
+    np.testing.assert_allclose(other.c, np.full(D, 0.25))

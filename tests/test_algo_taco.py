@@ -1,0 +1,462 @@
+"""TACO (ALGORITHMS.md 2.7): eq. 7 alphas, eq. 9 aggregation, eq. 10 expulsion, eq. 15 z, the eq. 8 client correction.
+
+Every expected value is computed here from the spec with plain numpy / autograd, never by calling the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.algorithms.taco import TacoClient
+from edge_client.behaviours import Behaviour
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.taco import Taco, taco_alphas
+
+K, LR = 4, 0.1
+ETA_G = K * LR
+
+
+# -- independent reference formulas (from ALGORITHMS.md 2.7, written without the code under test) ---------------------
+
+
+def ref_alphas(deltas: list[np.ndarray]) -> np.ndarray:
+    """Eq. 7: (1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0), cos := 0 for a zero vector."""
+    d = np.stack([np.asarray(x, dtype=np.float64) for x in deltas])
+    norms = np.sqrt((d**2).sum(axis=1))
+    if norms.sum() == 0:
+        return np.zeros(len(d))
+    mean = d.mean(axis=0)
+    mnorm = np.sqrt((mean**2).sum())
+    out = []
+    for i in range(len(d)):
+        cos = 0.0 if norms[i] < 1e-12 or mnorm < 1e-12 else float(d[i] @ mean) / (norms[i] * mnorm)
+        out.append((1.0 - norms[i] / norms.sum()) * max(cos, 0.0))
+    return np.array(out)
+
+
+def ref_aggregate(w: np.ndarray, deltas: list[np.ndarray], alphas: np.ndarray) -> np.ndarray:
+    """Eq. 9 with eta_g = K eta_l: w - sum_i alpha_i D_i / sum_j alpha_j; uniform when sum alpha = 0."""
+    a = np.asarray(alphas, dtype=np.float64)
+    p = a / a.sum() if a.sum() > 1e-12 else np.full(len(a), 1.0 / len(a))
+    return w.astype(np.float64) - sum(pi * np.asarray(di, dtype=np.float64) for pi, di in zip(p, deltas, strict=True))
+
+
+def upd(cid: str, delta: np.ndarray, round_: int = 1) -> Update:
+    return Update(round_, round_ - 1, cid, 10, K, 0.0, 0.0, 0.0, np.asarray(delta, dtype=np.float32))
+
+
+def strategy(clients: tuple[str, ...] = (), **params: object) -> Taco:
+    s = Taco(TrainSettings(local_steps=K, lr=LR, batch_size=4), dict(params))
+    s.setup(ServerContext(model_spec={}, num_params=0, clients=dict.fromkeys(clients, 10)))
+    return s
+
+
+# -- eq. 7 ------------------------------------------------------------------------------------------------------------
+
+
+def test_alphas_match_eq7_on_hand_made_vectors() -> None:
+    deltas = [
+        np.array([1.0, 0.0, 0.0], np.float32),
+        np.array([0.8, 0.6, 0.0], np.float32),
+        np.array([2.0, -1.0, 0.5], np.float32),
+        np.array([-1.0, 0.1, 0.0], np.float32),  # against the mean: clipped to 0
+    ]
+    got = taco_alphas(deltas)
+    want = ref_alphas(deltas)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert got[3] == 0.0 and np.all(got[:3] > 0.1)
+    # a by-hand value: norms 1, 1, sqrt(5.25), sqrt(1.01); mean = (2.8, -0.3, 0.5)/4
+    norms = [1.0, 1.0, np.sqrt(5.25), np.sqrt(1.01)]
+    mean = np.array([2.8, -0.3, 0.5]) / 4
+    cos0 = mean[0] / np.linalg.norm(mean)
+    assert got[0] == pytest.approx((1 - 1 / sum(norms)) * cos0, rel=1e-6)
+
+
+def test_alphas_degenerate_cases() -> None:
+    v = np.array([1.0, 2.0], np.float32)
+    assert taco_alphas([v]).tolist() == [0.0]  # one client: magnitude factor 0
+    assert taco_alphas([np.zeros(2, np.float32)] * 3).tolist() == [0.0, 0.0, 0.0]  # all norms 0
+    assert taco_alphas([v, -v]).tolist() == [0.0, 0.0]  # zero mean: cosine 0
+    zero_and_v = taco_alphas([np.zeros(2, np.float32), v, v])
+    assert zero_and_v[0] == 0.0 and zero_and_v[1] == pytest.approx(0.5, rel=1e-6)  # cos 1, |v| / 2|v|
+    assert taco_alphas([]).size == 0
+
+
+# -- eq. 9 and the per-client alpha on the wire -----------------------------------------------------------------------
+
+
+def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=6).astype(np.float32)
+    base = rng.normal(size=6)
+    deltas = [(base + rng.normal(scale=0.7, size=6)).astype(np.float32) for _ in range(4)]
+    s = strategy()
+    first = s.instructions(1, "c0")
+    assert first.alpha == pytest.approx(0.1)  # alpha_i^0
+    assert first.params["gamma"] == pytest.approx(1 / K) and first.params["eta_g"] == pytest.approx(ETA_G)
+    assert "global_delta" not in first.arrays  # Delta_0 = 0
+
+    new = s.aggregate(1, w, [upd(f"c{i}", d) for i, d in enumerate(deltas)])
+    alphas = ref_alphas(deltas)
+    assert not np.allclose(alphas / alphas.sum(), 0.25)  # the weights are really not uniform
+    np.testing.assert_allclose(new, ref_aggregate(w, deltas, alphas), rtol=1e-5, atol=1e-6)
+    uniform = w - np.mean(deltas, axis=0)
+    assert np.abs(new - uniform).max() > 1e-3
+    for i in range(4):
+        assert s.instructions(2, f"c{i}").alpha == pytest.approx(alphas[i], rel=1e-6)
+    metrics = s.round_metrics()
+    assert set(metrics) == {"alpha", "strikes", "expelled"}
+    assert metrics["alpha"]["c2"] == pytest.approx(alphas[2], rel=1e-6)
+
+
+def test_aggregation_falls_back_to_uniform_when_every_alpha_is_zero() -> None:
+    w = np.array([1.0, 1.0, 1.0], np.float32)
+    d1 = np.array([1.0, 2.0, 0.0], np.float32)
+    s = strategy()
+    new = s.aggregate(1, w, [upd("a", d1), upd("b", -d1), upd("c", np.zeros(3, np.float32))])  # mean 0 -> alphas 0
+    np.testing.assert_allclose(new, w, atol=1e-7)  # uniform mean of (d1, -d1, 0) = 0
+    one = strategy().aggregate(1, w, [upd("a", d1)])  # a single client: alpha 0, uniform = FedAvg
+    np.testing.assert_allclose(one, w - d1, atol=1e-7)
+
+
+def test_gamma_and_lambda_keys() -> None:
+    assert strategy(gamma=0.3).instructions(1, "c").params["gamma"] == pytest.approx(0.3)
+    assert strategy(rounds=50).lambda_expel == 10  # T/5
+    assert strategy(rounds=3).lambda_expel == 1  # at least 1
+    assert strategy(rounds=50, lambda_expel=4).lambda_expel == 4
+    with pytest.raises(ValueError, match="delta_scale"):
+        strategy(delta_scale="bogus")
+
+
+def test_without_rounds_or_lambda_nobody_is_expelled_and_it_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+        s = strategy(kappa=0.4)
+    assert "rounds" in caplog.text
+    v = np.array([1.0, 0.0], np.float32)
+    for r in range(1, 6):  # two identical uploads: alpha = 0.5 each >= kappa 0.4
+        s.aggregate(r, np.zeros(2, np.float32), [upd("a", v, r), upd("b", v, r)])
+    assert s.strikes == {"a": 5, "b": 5} and s.excluded() == set()
+
+
+# -- eq. 10: strikes and expulsion ------------------------------------------------------------------------------------
+
+
+def test_expelled_after_lambda_strikes_not_before(caplog: pytest.LogCaptureFixture) -> None:
+    v = np.array([1.0, 0.0], np.float32)
+    other = np.array([0.0, 1.0], np.float32)
+    s = strategy(kappa=0.4, lambda_expel=3)
+    w = np.zeros(2, np.float32)
+    for r in (1, 2):
+        s.aggregate(r, w, [upd("a", v, r), upd("b", v, r)])  # alpha 0.5 >= 0.4: a strike each
+        assert s.excluded() == set()
+    s.aggregate(3, w, [upd("a", v, 3), upd("c", other, 3)])  # cos(v, (v+other)/2) = 0.707 -> 0.354 < 0.4
+    assert s.strikes == {"a": 2, "b": 2} and s.excluded() == set()
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+        s.aggregate(4, w, [upd("a", v, 4), upd("b", v, 4)])
+    assert s.excluded() == {"a", "b"} and s.round_metrics()["expelled"] == ["a", "b"]
+    assert "a" in caplog.text and "3 strikes" in caplog.text and "0.5000" in caplog.text
+
+
+def test_expel_strictly_greater_and_drop_on_expel_round() -> None:
+    v = np.array([1.0, 0.0], np.float32)
+    s = strategy(("a", "b", "honest"), kappa=0.4, lambda_expel=1, expel_strictly_greater=True)
+    s.aggregate(1, np.zeros(2, np.float32), [upd("a", v), upd("b", v)])
+    assert s.excluded() == set()
+    s.aggregate(2, np.zeros(2, np.float32), [upd("a", v, 2), upd("b", v, 2)])
+    assert s.excluded() == {"a", "b"}
+
+    w = np.zeros(3, np.float32)
+    f = np.array([1.0, 1.0, 0.0], np.float32)
+    h = np.array([0.5, -0.5, 1.0], np.float32)
+    ups = [upd("f1", f), upd("f2", f), upd("h", h)]
+    alphas = ref_alphas([f, f, h])
+    assert alphas[0] >= 0.5 > alphas[2]
+    s = strategy(kappa=0.5, lambda_expel=1)
+    kept = s.aggregate(1, w, ups)  # default: the expulsion round's update still counts
+    assert s.excluded() == {"f1", "f2"}
+    np.testing.assert_allclose(kept, ref_aggregate(w, [f, f, h], alphas), rtol=1e-5)
+    dropped = strategy(kappa=0.5, lambda_expel=1, drop_on_expel_round=True).aggregate(1, w, ups)
+    np.testing.assert_allclose(dropped, w - h, rtol=1e-6)
+
+
+def test_expulsion_never_leaves_the_federation_empty(caplog: pytest.LogCaptureFixture) -> None:
+    v = np.array([1.0, 0.0], np.float32)
+    s = strategy(("a", "b"), kappa=0.4, lambda_expel=1)
+    with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+        s.aggregate(1, np.zeros(2, np.float32), [upd("a", v), upd("b", v)])  # both strike: both would go
+    assert s.excluded() == set() and s.strikes == {"a": 1, "b": 1}
+    assert "would leave no client" in caplog.text
+    s.ctx.clients["c"] = 10  # a third client registers: now they can go
+    s.aggregate(2, np.zeros(2, np.float32), [upd("a", v, 2), upd("b", v, 2)])
+    assert s.excluded() == {"a", "b"} and s.strikes == {"a": 2, "b": 2}
+
+
+def test_freeloader_behaviour_uploads_the_previous_global_update() -> None:
+    rng = np.random.default_rng(0)
+    w0, w1, w2 = (rng.normal(size=7).astype(np.float32) for _ in range(3))
+    b = Behaviour.parse("freeloader")
+    assert not b.trains
+    assert np.array_equal(b.freeload(assignment(w0, 0)).delta, np.zeros(7, np.float32))  # first round: zeros
+    assert np.array_equal(b.freeload(assignment(w1, 1)).delta, w0 - w1)
+    assert np.array_equal(b.freeload(assignment(w2, 2)).delta, w1 - w2)
+
+
+def test_two_freeloaders_of_five_are_expelled_after_two_strikes_honest_ones_stay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    d = 400
+    rng = np.random.default_rng(0)
+    s = strategy(kappa=0.6, lambda_expel=2)
+    freeloaders = {"f0": Behaviour.parse("freeloader"), "f1": Behaviour.parse("freeloader")}
+    honest = ["h0", "h1", "h2"]
+    w = rng.normal(size=d).astype(np.float32)
+    direction = rng.normal(size=d) * 0.1  # round 1's common descent direction
+    last_w = w
+    for r in (1, 2, 3, 4):
+        active = [c for c in [*freeloaders, *honest] if c not in s.excluded()]
+        deltas: dict[str, np.ndarray] = {}
+        for c in active:
+            if c in freeloaders:
+                deltas[c] = freeloaders[c].freeload(assignment(w, r - 1)).delta
+            else:  # honest-looking: part of the last global direction plus a large client-specific component
+                scale = 1.5 * np.linalg.norm(direction) / np.sqrt(d)
+                base = direction if r == 1 else 0.5 * direction
+                deltas[c] = (base + rng.normal(scale=scale, size=d)).astype(np.float32)
+        if r > 1:
+            for c in freeloaders:
+                if c in deltas:
+                    np.testing.assert_array_equal(deltas[c], last_w - w)
+        alphas = ref_alphas([deltas[c] for c in active])
+        expected = ref_aggregate(w, [deltas[c] for c in active], alphas)
+        with caplog.at_level(logging.WARNING, logger="edgefl.server"):
+            new = s.aggregate(r, w, [upd(c, deltas[c], r) for c in active])
+        np.testing.assert_allclose(new, expected, rtol=1e-4, atol=1e-6)  # round 3 still aggregates the freeloaders
+        got = s.round_metrics()["alpha"]
+        for c, a in zip(active, alphas, strict=True):
+            assert got[c] == pytest.approx(a, rel=1e-5, abs=1e-7)
+        if r == 1:
+            assert got["f0"] == got["f1"] == 0.0  # zero uploads in the first round
+        else:
+            assert all(got[c] < 0.6 for c in honest)
+        if r in (2, 3):
+            assert got["f0"] >= 0.6 and got["f1"] >= 0.6
+        if r == 2:
+            assert s.excluded() == set() and s.strikes == {"f0": 1, "f1": 1}
+        if r == 3:
+            assert s.excluded() == {"f0", "f1"} and s.strikes == {"f0": 2, "f1": 2}
+        if r == 4:
+            assert active == honest and set(got) == {"f0", "f1", *honest}
+        last_w, direction, w = w, (w - new).astype(np.float64), new
+    assert s.excluded() == {"f0", "f1"} and not any(c in s.strikes for c in honest)
+    assert "f0" in caplog.text and "f1" in caplog.text and "2 strikes" in caplog.text
+
+
+# -- eq. 15 -----------------------------------------------------------------------------------------------------------
+
+
+def test_z_is_eq15_with_the_mean_alpha_of_active_clients() -> None:
+    w0 = np.array([0.5, -1.0, 2.0], np.float32)
+    s = strategy(kappa=0.4, lambda_expel=1)
+    np.testing.assert_array_equal(s.outputs(w0)["z"], w0)  # before any aggregation: z_0 = w_0
+    a = np.array([1.0, 0.2, 0.0], np.float32)
+    b = np.array([0.9, 0.0, 0.1], np.float32)
+    c = np.array([0.1, 1.0, -0.5], np.float32)
+    w1 = s.aggregate(1, w0, [upd("a", a), upd("b", b), upd("c", c)])
+    alphas = ref_alphas([a, b, c])
+    expelled = [i for i, x in enumerate(alphas) if x >= 0.4]
+    assert expelled and len(expelled) < 3  # some but not all are expelled: the mean must skip them
+    active = [x for i, x in enumerate(alphas) if i not in expelled]
+    z = w1.astype(np.float64) + (1 - np.mean(active)) * (w1.astype(np.float64) - w0)
+    np.testing.assert_allclose(s.outputs(w1)["z"], z, rtol=1e-5, atol=1e-6)
+    assert strategy(output="w").outputs(w0) == {}
+
+
+# -- the server's global delta for clients that cannot derive it ------------------------------------------------------
+
+
+def test_global_delta_goes_to_clients_that_missed_the_previous_model() -> None:
+    w0 = np.zeros(3, np.float32)
+    s = strategy()
+    for c in ("a", "b"):
+        assert "global_delta" not in s.instructions(1, c).arrays
+    d = np.array([0.4, -0.2, 0.1], np.float32)
+    w1 = s.aggregate(1, w0, [upd("a", d), upd("b", d)])
+    assert "global_delta" not in s.instructions(2, "a").arrays  # "a" received version 0: derives it
+    late = s.instructions(2, "late").arrays["global_delta"]  # joined late: no previous model
+    np.testing.assert_allclose(late, (w0 - w1) / ETA_G, rtol=1e-6)
+    # "b" was not sent version 1; in round 3 (version 2) it gets the array, "a" does not
+    w2 = s.aggregate(2, w1, [upd("a", d, 2)])
+    assert "global_delta" not in s.instructions(3, "a").arrays
+    np.testing.assert_allclose(s.instructions(3, "b").arrays["global_delta"], (w1 - w2) / ETA_G, rtol=1e-6)
+    # a round without aggregation: version unchanged, so the next instructions carry the array
+    assert "global_delta" in s.instructions(4, "a").arrays
+    # send_global_delta: always
+    s2 = strategy(send_global_delta=True)
+    s2.instructions(1, "a")
+    s2.aggregate(1, w0, [upd("a", d)])
+    np.testing.assert_allclose(s2.instructions(2, "a").arrays["global_delta"], d / ETA_G, rtol=1e-6)
+
+
+def test_server_state_round_trip_through_json() -> None:
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=5).astype(np.float32)
+    s = strategy(kappa=0.3, lambda_expel=2)
+    for c in "abc":
+        s.instructions(1, c)
+    ups = [upd(c, rng.normal(size=5) + 1.0) for c in "abc"]
+    w1 = s.aggregate(1, w, ups)
+    restored = strategy(kappa=0.3, lambda_expel=2)
+    restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert restored.round_metrics() == s.round_metrics()
+    np.testing.assert_array_equal(restored.outputs(w1)["z"], s.outputs(w1)["z"])
+    for c in ("a", "new"):
+        i1, i2 = s.instructions(2, c), restored.instructions(2, c)
+        assert i1.alpha == i2.alpha and i1.params == i2.params and sorted(i1.arrays) == sorted(i2.arrays)
+    ups2 = [upd(c, rng.normal(size=5) + 1.0, 2) for c in "abc"]
+    np.testing.assert_array_equal(restored.aggregate(2, w1, ups2), s.aggregate(2, w1, ups2))
+    assert restored.strikes == s.strikes and restored.excluded() == s.excluded()
+
+
+# -- the client half (eq. 8) ------------------------------------------------------------------------------------------
+
+
+def assignment(
+    weights: np.ndarray,
+    version: int,
+    alpha: float | None = 0.2,
+    params: dict[str, object] | None = None,
+    arrays: dict[str, np.ndarray] | None = None,
+) -> Assignment:
+    return Assignment(
+        round=version + 1,
+        model_version=version,
+        local_steps=K,
+        lr=LR,
+        batch_size=4,
+        deadline_s=60.0,
+        algorithm="taco",
+        model={},
+        weights=np.asarray(weights, dtype=np.float32),
+        alpha=alpha,
+        params={"gamma": 0.5, "eta_g": ETA_G, **(params or {})},
+        arrays=arrays or {},
+    )
+
+
+def tiny() -> tuple[FlatModel, ArrayDataset]:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    data = ArrayDataset(rng.normal(size=(16, 3)).astype(np.float32), rng.integers(0, 2, size=16))
+    return FlatModel(nn.Linear(3, 2)), data
+
+
+def run(algorithm: ClientAlgorithm, a: Assignment) -> np.ndarray:
+    from edge_client.trainer import train_local
+
+    flat, data = tiny()
+    return train_local(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, algorithm).delta
+
+
+def manual(w: np.ndarray, corr: np.ndarray) -> np.ndarray:
+    """K autograd SGD steps on the Linear(3, 2) cross-entropy with ``corr`` added to every gradient (eq. 8)."""
+    _, data = tiny()
+    sampler = BatchSampler(len(data), 4, 0, "c0")
+    weight = torch.tensor(w[:6].reshape(2, 3), requires_grad=True)
+    bias = torch.tensor(w[6:], requires_grad=True)
+    c = torch.from_numpy(np.asarray(corr, dtype=np.float32))
+    for _ in range(K):
+        idx = sampler.next()
+        loss = F.cross_entropy(torch.from_numpy(data.x[idx]) @ weight.T + bias, torch.from_numpy(data.y[idx]))
+        gw, gb = torch.autograd.grad(loss, [weight, bias])
+        with torch.no_grad():
+            weight -= LR * (gw + c[:6].reshape(2, 3))
+            bias -= LR * (gb + c[6:])
+    end = torch.cat([weight.detach().reshape(-1), bias.detach()]).numpy()
+    return w - end
+
+
+W_PREV = np.array([0.3, -0.2, 0.1, 0.5, 0.0, -0.4, 0.2, 0.1], np.float32)
+W_CUR = np.array([0.1, 0.2, -0.3, 0.4, 0.3, -0.1, -0.2, 0.3], np.float32)
+
+
+def test_client_correction_is_eq8_with_a_sent_global_delta() -> None:
+    gd = np.array([1.0, -2.0, 0.5, 0.0, 1.5, -1.0, 0.25, 2.0], np.float32)
+    a = assignment(W_CUR, 3, alpha=0.2, arrays={"global_delta": gd})
+    got = run(TacoClient(), a)
+    want = manual(W_CUR, 0.5 * (1 - 0.2) * gd)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    plain = run(FedAvgClient(), a)
+    assert np.abs(got - plain).max() > 1e-2  # the correction matters at this size
+
+
+def test_client_derives_delta_from_consecutive_models() -> None:
+    client = TacoClient()
+    first = run(client, assignment(W_PREV, 0))  # version 0: Delta_0 = 0, no correction
+    np.testing.assert_allclose(first, run(FedAvgClient(), assignment(W_PREV, 0)), atol=1e-7)
+    got = run(client, assignment(W_CUR, 1, alpha=0.2))  # version 1: Delta_1 = (w_0 - w_1) / eta_g
+    want = manual(W_CUR, 0.5 * (1 - 0.2) * (W_PREV - W_CUR) / ETA_G)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.abs(got - run(FedAvgClient(), assignment(W_CUR, 1))).max() > 1e-2
+
+    # model_diff scale: the term uses w_{t-1} - w_t itself
+    c2 = TacoClient()
+    run(c2, assignment(W_PREV, 0))
+    got2 = run(c2, assignment(W_CUR, 1, params={"delta_scale": "model_diff"}))
+    np.testing.assert_allclose(got2, manual(W_CUR, 0.5 * 0.8 * (W_PREV - W_CUR)), atol=1e-5)
+
+
+def test_client_without_the_preceding_model_skips_the_correction(caplog: pytest.LogCaptureFixture) -> None:
+    client = TacoClient()
+    run(client, assignment(W_PREV, 1))
+    with caplog.at_level(logging.WARNING, logger="edgefl.client"):
+        got = run(client, assignment(W_CUR, 3))  # stored version 1, now 3: not derivable
+    np.testing.assert_allclose(got, run(FedAvgClient(), assignment(W_CUR, 3)), atol=1e-7)
+    assert "no correction" in caplog.text
+    fresh = run(TacoClient(), assignment(W_CUR, 2))  # nothing stored (joined late, no array)
+    np.testing.assert_allclose(fresh, run(FedAvgClient(), assignment(W_CUR, 2)), atol=1e-7)
+
+
+def test_client_state_round_trip_keeps_the_previous_model(tmp_path) -> None:
+    client = TacoClient()
+    assert client.state_dict() == {}
+    run(client, assignment(W_PREV, 4))
+    path = tmp_path / "taco.npz"
+    np.savez(path, **client.state_dict())  # as the runtime saves it
+    restored = TacoClient()
+    with np.load(path) as saved:
+        restored.load_state_dict({k: saved[k] for k in saved.files})
+    assert restored.prev_version == 4
+    np.testing.assert_array_equal(restored.prev_weights, W_PREV)
+    got = run(restored, assignment(W_CUR, 5))
+    np.testing.assert_allclose(got, manual(W_CUR, 0.5 * 0.8 * (W_PREV - W_CUR) / ETA_G), atol=1e-5)
+
+
+def test_server_and_client_agree_on_delta_over_rounds() -> None:
+    """In-process rounds: a client that derives Delta_t trains exactly like one that is sent it."""
+    s = strategy(gamma=0.5)
+    deriving, told = TacoClient(), TacoClient()
+    w = W_PREV.copy()
+    for r in (1, 2, 3):
+        version = r - 1
+        i = s.instructions(r, "a")
+        a = Assignment(r, version, i.local_steps, i.lr, i.batch_size, 60.0, "taco", {}, w, i.alpha, i.params, i.arrays)
+        forced = dict(i.arrays)
+        if s.last_step is not None:
+            forced["global_delta"] = s.last_step / np.float32(ETA_G)
+        b = Assignment(r, version, i.local_steps, i.lr, i.batch_size, 60.0, "taco", {}, w, i.alpha, i.params, forced)
+        da, db = run(deriving, a), run(told, b)
+        np.testing.assert_allclose(da, db, atol=1e-5)
+        other = (da + np.float32(0.3)).astype(np.float32)
+        w = s.aggregate(r, w, [upd("a", da, r), upd("b", other, r)])
