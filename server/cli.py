@@ -98,7 +98,7 @@ def _train(
 ) -> dict[str, Any]:
     from server.evaluation import Evaluator
     from server.orchestrator import Orchestrator
-    from server.progress import RoundProgress, summary_table
+    from server.progress import RoundProgress, clients_table, summary_table
 
     spec = config.model or bundle.model
     extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed, **extra}
@@ -115,6 +115,7 @@ def _train(
         )
         summary = orchestrator.run()
     progress.console.print(summary_table(summary))
+    progress.console.print(clients_table(summary["per_client"]))
     progress.console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png and server.log")
     return summary
 

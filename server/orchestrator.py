@@ -44,7 +44,7 @@ from edge_client.transport import LinkConfig, MqttLink
 from server.config import RunConfig
 from server.evaluation import Evaluator
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
-from server.report import MetricsLog, plot_report, summarize, write_summary
+from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 
 log = logging.getLogger("edgefl.server")
@@ -300,6 +300,7 @@ class Orchestrator:
             rejected=dict(self.link.rejections),
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
+            per_client=client_summary(metrics.rows),
         )
         last = metrics.rows[-1] if metrics.rows else {}
         summary.update({f"final_{k}": v for k, v in last.items() if k.startswith("accuracy_")})

@@ -75,3 +75,18 @@ def summary_table(summary: dict[str, Any]) -> Table:
     for name, value in rows:
         table.add_row(name, str(value))
     return table
+
+
+def clients_table(per_client: dict[str, dict[str, Any]]) -> Table:
+    """What each device spent: the per_client part of summary.json."""
+    table = Table(title="per client")
+    for col in ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled"):
+        table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
+    for cid, s in sorted(per_client.items()):
+        temp = s["max_temperature_c"]
+        table.add_row(
+            cid, str(s["rounds"]), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
+            f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
+            "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
+        )  # fmt: skip
+    return table

@@ -51,6 +51,35 @@ def summarize(rows: list[dict[str, Any]], target_accuracy: float, **extra: Any) 
     }
 
 
+def client_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per client over the run: rounds reported, mean compute and CPU seconds, traffic, and what the device reported
+    (peak resident memory, hottest temperature, lowest CPU frequency, Raspberry Pi throttling flags)."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for cid, c in row["clients"].items():
+            s = out.setdefault(cid, {"rounds": 0, "compute_s": 0.0, "cpu_s": 0.0, "bytes_up": 0, "bytes_down": 0,
+                                     "peak_rss_mb": None, "max_temperature_c": None, "min_cpu_freq_mhz": None,
+                                     "throttled_flags": []})  # fmt: skip
+            s["rounds"] += 1
+            for key in ("compute_s", "cpu_s", "bytes_up", "bytes_down"):
+                s[key] += c.get(key, 0)
+            dev = c.get("device", {}).get("round", {})
+            for key, src, pick in (
+                ("peak_rss_mb", ("peak_rss_mb",), max),
+                ("max_temperature_c", ("temperature_c_before", "temperature_c_after"), max),
+                ("min_cpu_freq_mhz", ("cpu_freq_mhz_before", "cpu_freq_mhz_after"), min),
+            ):
+                values = [v for v in (dev.get(k) for k in src) if v is not None]
+                if s[key] is not None:
+                    values.append(s[key])
+                s[key] = pick(values) if values else None
+            s["throttled_flags"] = sorted({*s["throttled_flags"], *(dev.get("throttled_flags") or [])})
+    for s in out.values():
+        s["mean_compute_s"] = s.pop("compute_s") / s["rounds"]
+        s["mean_cpu_s"] = s.pop("cpu_s") / s["rounds"]
+    return out
+
+
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from server.report import MetricsLog, plot_report, summarize, write_summary
+from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -128,3 +128,22 @@ def test_metrics_log_appends_to_an_existing_file(tmp_path: Path) -> None:
     MetricsLog(path).append(ROWS[0])
     MetricsLog(path).append(ROWS[1])
     assert [json.loads(line)["round"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_client_summary_aggregates_what_each_device_reported() -> None:
+    def client(compute: float, temp_before: float | None, temp_after: float | None, rss: float, flags: list[str]):
+        device = {"round": {"temperature_c_before": temp_before, "temperature_c_after": temp_after,
+                            "cpu_freq_mhz_before": 1500.0, "cpu_freq_mhz_after": 600.0 if flags else 1500.0,
+                            "peak_rss_mb": rss, "throttled_flags": flags}}  # fmt: skip
+        return {"compute_s": compute, "cpu_s": compute / 2, "bytes_up": 10, "bytes_down": 20, "device": device}
+
+    rows = [
+        {"clients": {"pi-1": client(1.0, 50.0, 55.0, 300.0, []), "pi-2": client(3.0, None, None, 200.0, [])}},
+        {"clients": {"pi-1": client(2.0, 56.0, 61.5, 320.0, ["throttled"])}},
+    ]
+    summary = client_summary(rows)
+    assert summary["pi-1"] == {
+        "rounds": 2, "bytes_up": 20, "bytes_down": 40, "peak_rss_mb": 320.0, "max_temperature_c": 61.5,
+        "min_cpu_freq_mhz": 600.0, "throttled_flags": ["throttled"], "mean_compute_s": 1.5, "mean_cpu_s": 0.75,
+    }  # fmt: skip
+    assert summary["pi-2"]["max_temperature_c"] is None and summary["pi-2"]["rounds"] == 1

@@ -87,6 +87,7 @@ class FedVeca(Strategy):
         self.prev_grad: np.ndarray | None = None  # grad F(w_{k-1})
         self.step_norm: float | None = None  # ||w_k - w_{k-1}||
         self._metrics: dict[str, Any] = {}
+        self._alpha_warned = False
 
     # -- downlink ----------------------------------------------------------------------------------------------------
     def instructions(self, round_: int, client_id: str) -> Instructions:
@@ -158,13 +159,20 @@ class FedVeca(Strategy):
         return out
 
     def _check_alpha(self, a_values: dict[str, float]) -> None:
-        """(f)8: keep alpha_k fixed, but say so when it leaves (0, 2L/min A) while 2L/min A < 1."""
+        """(f)8: keep alpha_k fixed; warn (once) when it leaves (0, 2L/min A) while 2L/min A < 1."""
         finite = [a for a in a_values.values() if math.isfinite(a) and a > 0.0]
         if self.L is None or not finite:
             return
         bound = 2.0 * self.L / min(finite)
         if bound < 1.0 and self.alpha_k >= bound:
-            log.warning("fedveca round k=%d: alpha_k=%g is outside (0, 2L/min A = %.4g)", self.k, self.alpha_k, bound)
+            first, self._alpha_warned = not self._alpha_warned, True
+            (log.warning if first else log.debug)(
+                "fedveca round k=%d: alpha_k=%g is outside (0, 2L/min A = %.4g); kept fixed as in the paper%s",
+                self.k,
+                self.alpha_k,
+                bound,
+                " (further occurrences are logged at debug level)" if first else "",
+            )
 
     # -- reporting and checkpoints -----------------------------------------------------------------------------------
     def round_metrics(self) -> dict[str, Any]:
