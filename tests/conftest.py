@@ -170,6 +170,7 @@ def make_config(
     rounds: int,
     train: dict[str, Any] | None = None,
     algorithm_params: dict[str, Any] | None = None,
+    partition: str = "iid",
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
@@ -177,7 +178,7 @@ def make_config(
         {
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
-            "data": {"dataset": "digits", "partition": "iid"},
+            "data": {"dataset": "digits", "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
         }
@@ -201,7 +202,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
         root = None
         if root_size:
             root, bundle.train = split_root(bundle.train, root_size, 0)
-        shards, _ = prepare_shards(bundle, client_ids(clients), "iid", 0, out / "shards")
+        shards, _ = prepare_shards(bundle, client_ids(clients), config.data.partition, 0, out / "shards")
         logins = {}
         for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
             creds = broker.devices.get(cid) or broker.add_device(cid)
