@@ -254,3 +254,36 @@ class Taco(Strategy):
         self.last_sent = {str(k): int(v) for k, v in state.get("last_sent", {}).items()}
         step = state.get("last_step")
         self.last_step = None if step is None else np.asarray(step, dtype=np.float32)
+
+
+class TailoredCoefficients:
+    """Mixin for the (f)13 variants: tracks each client's TACO alpha_i (eq. 7) from every round's uploads.
+
+    ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
+    alpha ((f)12). The host strategy turns it into its own per-client coefficient (zeta_i, SCAFFOLD's alpha_i).
+    """
+
+    params: dict[str, Any]
+
+    def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
+        super().__init__(settings, params, seed)  # type: ignore[call-arg]
+        self.taco_alpha: dict[str, float] = {}
+
+    def alpha_of(self, client_id: str) -> float:
+        return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
+
+    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+        alphas = taco_alphas([u.delta for u in updates])  # alpha_i^{t+1}, for the next round's coefficient
+        new = super().aggregate(round_, weights, updates)  # type: ignore[misc]
+        self.taco_alpha.update({u.client_id: float(a) for u, a in zip(updates, alphas, strict=True)})
+        return new
+
+    def round_metrics(self) -> dict[str, Any]:
+        return {**super().round_metrics(), "alpha": dict(self.taco_alpha)}  # type: ignore[misc]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha)}  # type: ignore[misc]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)  # type: ignore[misc]
+        self.taco_alpha = {str(k): float(v) for k, v in state.get("taco_alpha", {}).items()}
