@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -13,7 +14,8 @@ class RoundProgress:
     """Rich progress bar over rounds; each finished round is printed above it as one line."""
 
     def __init__(self, rounds: int, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        # Redirected output (a log file, CI) gets a width that fits the per-round line and the tables.
+        self.console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
         self.rounds = rounds
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
