@@ -74,7 +74,7 @@ class FedNova(Strategy):
         self._tau_k = tau_k
         # eta tau_k d_k = eta tau_k sum_i p_i delta_i / (eta tau_i)
         coef = p * tau_k / tau
-        return (weights - weighted_sum(coef, (u.delta for u in updates), weights)).astype(np.float32)
+        return (weights - weighted_sum(coef, (u.delta for u in updates), weights)).astype(np.float32, copy=False)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"tau": dict(self._tau), "tau_k": self._tau_k}
