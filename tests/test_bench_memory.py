@@ -1,0 +1,38 @@
+"""benchmarks.memory in --quick mode: the output files exist and have the expected structure (no judging)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_writes_peak_rss_table(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "memory.json").read_text())
+    md = (tmp_path / "memory.md").read_text()
+
+    assert data["quick"] is True
+    assert {"cpu", "cores", "torch", "numpy"} <= set(data["machine"])
+    mem = data["memory"]
+    assert mem["d"] > 0
+    assert {"bare", "fedavg", "fedavg@tau2", "fedveca@tau2", "fedavg@tau50", "fedveca@tau50"} <= set(mem["rows"])
+    for row in mem["rows"].values():
+        assert row["peak_mb"] > 0 and row["ratio_to_bare"] > 0 and row["runs"]
+    assert mem["rows"]["fedavg"]["status"] in {"PASS", "MISS"}
+    assert set(mem["fedveca"]) == {"2", "50"}
+    for row in mem["fedveca"].values():
+        assert {"diff_mb", "diff_in_d_vectors", "status"} <= set(row)
+    assert isinstance(mem["fedveca_tau_independent"], bool)
+    assert "## Client memory" in md and "| bare |" in md and "Machine:" in md
