@@ -234,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         sim,
         {
             "--clients": ("clients__count", int, "number of client processes"),
-            "--partition": ("data__partition", str, "iid or dirichlet:PHI"),
+            "--partition": (
+                "data__partition",
+                str,
+                "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K or unbalanced:SIGMA",
+            ),
             "--threads": ("clients__threads", int, "torch threads per client process"),
         },
     )
@@ -254,7 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Partition a data set's training split and write <id>.npz per device, for edge-client run --data.",
     )
     part.add_argument("--dataset", default="mnist", help="mnist, digits, or a path to an .npz / idx directory")
-    part.add_argument("--partition", default="iid", help="iid or dirichlet:PHI")
+    part.add_argument(
+        "--partition",
+        default="iid",
+        help="iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K or unbalanced:SIGMA",
+    )
     part.add_argument("--clients", type=int, default=10, help="number of shards (ids client-00 ..)")
     part.add_argument("--ids", help="comma-separated device ids instead of client-NN")
     part.add_argument("--seed", type=int, default=0, help="partition seed")

