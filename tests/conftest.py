@@ -6,9 +6,11 @@ broker cannot pass silently.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -227,3 +229,13 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
         stop_clients(procs, timeout=20)
+
+
+# ------------------------------------------------------------------------------------------------- benchmarks
+def run_benchmark_quick(name: str, out: Path, timeout: float = 600) -> tuple[dict[str, Any], str]:
+    """Run ``python -m benchmarks.<name> --quick --out OUT`` from the repository root; its JSON and Markdown."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.md").read_text()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_benchmark_quick
 
 from server.strategies import STRATEGIES
 
@@ -15,17 +14,7 @@ TARGETED = {"fedavg", "fednova", "taco", "drag"}
 
 def test_aggregation_quick(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.aggregation", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "aggregation.json").read_text())
-    md = (out / "aggregation.md").read_text()
+    data, md = run_benchmark_quick("aggregation", out, timeout=120)
 
     assert data["benchmark"] == "aggregation" and data["quick"] is True
     assert {"cpu", "cores", "numpy", "torch"} <= set(data["machine"])

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_benchmark_quick
 
 from edge_client.algorithms import CLIENT_ALGORITHMS
 
@@ -13,17 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_writes_table_for_every_algorithm(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.client_overhead", "--quick", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "client_overhead.json").read_text())
-    md = (tmp_path / "client_overhead.md").read_text()
+    data, md = run_benchmark_quick("client_overhead", tmp_path, timeout=600)
 
     assert data["quick"] is True
     assert {"cpu", "cores", "torch", "numpy"} <= set(data["machine"])

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from conftest import run_benchmark_quick
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_quick_run_writes_peak_rss_table(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--quick", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((tmp_path / "memory.json").read_text())
-    md = (tmp_path / "memory.md").read_text()
+    data, md = run_benchmark_quick("memory", tmp_path, timeout=900)
 
     assert data["quick"] is True
     assert {"cpu", "cores", "torch", "numpy"} <= set(data["machine"])

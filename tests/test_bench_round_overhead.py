@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_mosquitto
+from conftest import require_mosquitto, run_benchmark_quick
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -18,16 +15,7 @@ pytestmark = pytest.mark.integration
 def test_quick_run_writes_json_and_markdown(tmp_path: Path) -> None:
     require_mosquitto()
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.round_overhead", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "round_overhead.json").read_text())
-    md = (out / "round_overhead.md").read_text()
+    data, md = run_benchmark_quick("round_overhead", out, timeout=240)
 
     assert data["quick"] is True
     assert data["config"]["clients"] == 3 and data["config"]["rounds"] == 2

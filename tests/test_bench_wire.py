@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_mosquitto
+from conftest import require_mosquitto, run_benchmark_quick
 
 ROOT = Path(__file__).resolve().parents[1]
 VERDICTS = {"PASS", "MISS"}
@@ -18,17 +15,7 @@ VERDICTS = {"PASS", "MISS"}
 def test_wire_quick(tmp_path: Path) -> None:
     require_mosquitto()
     out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.wire", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "wire.json").read_text())
-    md = (out / "wire.md").read_text()
+    data, md = run_benchmark_quick("wire", out, timeout=120)
 
     assert data["benchmark"] == "wire" and data["quick"] is True
     assert {"cpu", "cores", "numpy", "torch"} <= set(data["machine"])
