@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from edge_client.protocol import Update
 from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, from_dict
@@ -239,3 +241,16 @@ def run_benchmark_quick(name: str, out: Path, timeout: float = 600) -> tuple[dic
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / f"{name}.json").read_text()), (out / f"{name}.md").read_text()
+
+
+# ----------------------------------------------------------------------------------------- hand-made updates
+def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_steps: int = 5, **fields: Any) -> Update:
+    """A valid round-1 update for feeding server halves by hand; ``fields`` override any other Update field."""
+    base: dict[str, Any] = {"round": 1, "model_version": 0, "compute_s": 0.0, "cpu_s": 0.0, "train_loss": 0.0}
+    return Update(
+        client_id=client_id,
+        delta=np.asarray(delta, dtype=np.float32),
+        num_samples=num_samples,
+        local_steps=local_steps,
+        **{**base, **fields},
+    )

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_update
 from torch import nn
 
 from edge_client.algorithms.drag import DragClient
@@ -32,17 +33,7 @@ SPEC = {"name": "mlp", "in_features": 4, "num_classes": 3, "hidden": [5]}
 
 
 def upd(cid: str, delta: np.ndarray) -> Update:
-    return Update(
-        round=1,
-        model_version=0,
-        client_id=cid,
-        num_samples=10,
-        local_steps=3,
-        compute_s=0.0,
-        cpu_s=0.0,
-        train_loss=0.0,
-        delta=np.asarray(delta, dtype=np.float32),
-    )
+    return make_update(cid, delta, local_steps=3)
 
 
 def incs(gs: dict[str, np.ndarray]) -> list[Update]:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_update
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
@@ -23,17 +24,7 @@ SETTINGS = TrainSettings(local_steps=5, lr=0.05, batch_size=10)
 
 
 def upd(cid: str, delta: np.ndarray, num_samples: int, local_steps: int) -> Update:
-    return Update(
-        round=1,
-        model_version=0,
-        client_id=cid,
-        num_samples=num_samples,
-        local_steps=local_steps,
-        compute_s=0.0,
-        cpu_s=0.0,
-        train_loss=0.0,
-        delta=np.asarray(delta, dtype=np.float32),
-    )
+    return make_update(cid, delta, num_samples=num_samples, local_steps=local_steps)
 
 
 def ref_fednova(w: np.ndarray, deltas: list[np.ndarray], d: list[int], tau: list[int], lr: float) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_update
 from torch import nn
 
 from edge_client.algorithms.fedumf import FedUmfClient
@@ -239,17 +240,7 @@ def test_epochs_unit_gives_ceil_samples_over_batch_times_epochs() -> None:
 
 
 def update(cid: str, delta: np.ndarray, samples: int) -> Update:
-    return Update(
-        round=1,
-        model_version=0,
-        client_id=cid,
-        num_samples=samples,
-        local_steps=5,
-        compute_s=0.0,
-        cpu_s=0.0,
-        train_loss=0.0,
-        delta=delta.astype(np.float32),
-    )
+    return make_update(cid, delta, num_samples=samples)
 
 
 @pytest.mark.parametrize("weighting", ["samples", "uniform"])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_update
 from torch import nn
 
 from edge_client.algorithms.fedveca import FedVecaClient
@@ -95,19 +96,12 @@ def make_strategy(alpha_k: float = 0.95, lr: float = LR, **params) -> FedVeca:
 
 
 def upd(cid, n, steps, grad, G, beta=0.0, delta=0.0, round_=1) -> Update:
-    return Update(
-        round=round_,
-        model_version=round_ - 1,
-        client_id=cid,
-        num_samples=n,
-        local_steps=steps,
-        compute_s=0.0,
-        cpu_s=0.0,
-        train_loss=0.0,
-        delta=np.zeros(4, np.float32),
-        extras={"beta": beta, "delta": delta},
-        arrays={"grad": np.asarray(grad, np.float32), "G": np.asarray(G, np.float32)},
-    )
+    arrays = {"grad": np.asarray(grad, np.float32), "G": np.asarray(G, np.float32)}
+    extras = {"beta": beta, "delta": delta}
+    return make_update(
+        cid, np.zeros(4), num_samples=n, local_steps=steps, round=round_, model_version=round_ - 1,
+        extras=extras, arrays=arrays,
+    )  # fmt: skip
 
 
 def eq15(beta: dict, delta: dict, alpha: float, lr: float = LR, tau_max: int = 50) -> dict:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_update
 from torch import nn
 
 from edge_client.algorithms.stem import StemClient
@@ -156,18 +157,7 @@ def strategy(**params: object) -> Stem:
 
 
 def update(cid: str, delta: list[float], v: list[float], samples: int = 10) -> Update:
-    return Update(
-        round=1,
-        model_version=0,
-        client_id=cid,
-        num_samples=samples,
-        local_steps=5,
-        compute_s=0.0,
-        cpu_s=0.0,
-        train_loss=0.0,
-        delta=np.array(delta, dtype=np.float32),
-        arrays={"v": np.array(v, dtype=np.float32)},
-    )
+    return make_update(cid, delta, num_samples=samples, arrays={"v": np.array(v, dtype=np.float32)})
 
 
 W = np.array([1.0, 2.0, -1.0], dtype=np.float32)
