@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
@@ -59,7 +60,70 @@ class LinkConfig:
         return parts.hostname, parts.port or (8883 if tls else 1883), tls
 
 
-class MqttLink:
+class Link(Protocol):
+    """What the server and the device runtime need from a connection: MQTT (``MqttLink``) or in-process."""
+
+    rejections: Counter[str]
+
+    def start(self) -> Link: ...
+
+    def stop(self) -> None: ...
+
+    def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int: ...
+
+    def wait_published(self, timeout: float) -> bool: ...
+
+    def receive(self, timeout: float) -> tuple[str, Message] | None: ...
+
+    def take_bytes_in(self, topic: str) -> int: ...
+
+    def reject(self, topic: str, exc: ProtocolError) -> None: ...
+
+
+class Inbox:
+    """The receiving half every link shares: raw frames in, reassembled and validated messages out, on the caller's
+    thread; rejections are counted by reason and bytes by topic."""
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self.rejections: Counter[str] = Counter()
+        self.bytes_in = 0
+        self._bytes_by_topic: Counter[str] = Counter()
+        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._reassembler = chunking.Reassembler(max_message_bytes=max_message_bytes)
+
+    def receive(self, timeout: float) -> tuple[str, Message] | None:
+        """The next valid message and its topic, or None when ``timeout`` passes without one.
+
+        Malformed, duplicated or otherwise invalid frames are logged, counted in ``rejections`` and skipped.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                topic, payload = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return None
+            self.bytes_in += len(payload)
+            self._bytes_by_topic[topic] += len(payload)
+            try:
+                msg = self._reassembler.feed(topic, payload)
+            except ProtocolError as exc:
+                self.reject(topic, exc)
+                continue
+            if msg is not None:
+                return topic, msg
+
+    def take_bytes_in(self, topic: str) -> int:
+        """Bytes received on ``topic`` since the last call (what one client sent in one round)."""
+        return self._bytes_by_topic.pop(topic, 0)
+
+    def reject(self, topic: str, exc: ProtocolError) -> None:
+        """Count and log a message that failed validation (also used by callers for semantic checks)."""
+        self.rejections[exc.reason] += 1
+        log.warning("rejected message on %s: %s: %s", topic, type(exc).__name__, exc)
+
+
+class MqttLink(Inbox):
     """One MQTT connection: publish (chunked, size-checked, QoS 1) and receive validated messages."""
 
     def __init__(
@@ -71,16 +135,12 @@ class MqttLink:
         will: tuple[str, bytes, bool] | None = None,
         on_connect: Callable[[], None] | None = None,
     ) -> None:
+        super().__init__(config.max_message_bytes)
         self.config = config
         self.subscriptions = list(subscriptions)
-        self.rejections: Counter[str] = Counter()
-        self.bytes_in = 0
         self.bytes_out = 0
-        self._bytes_by_topic: Counter[str] = Counter()
         self.max_packet_size: int | None = None
         self._on_connect_hook = on_connect
-        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self._reassembler = chunking.Reassembler(max_message_bytes=config.max_message_bytes)
         self._connected = threading.Event()
         self._connect_error: str | None = None
         self._lock = threading.Condition()
@@ -226,35 +286,3 @@ class MqttLink:
                     return False
                 self._lock.wait(remaining)
         return True
-
-    # -- receiving -------------------------------------------------------------------------------------------------
-    def receive(self, timeout: float) -> tuple[str, Message] | None:
-        """The next valid message and its topic, or None when ``timeout`` passes without one.
-
-        Malformed, duplicated or otherwise invalid frames are logged, counted in ``rejections`` and skipped.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                topic, payload = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
-            except queue.Empty:
-                return None
-            self.bytes_in += len(payload)
-            self._bytes_by_topic[topic] += len(payload)
-            try:
-                msg = self._reassembler.feed(topic, payload)
-            except ProtocolError as exc:
-                self.reject(topic, exc)
-                continue
-            if msg is not None:
-                return topic, msg
-
-    def take_bytes_in(self, topic: str) -> int:
-        """Bytes received on ``topic`` since the last call (what one client sent in one round)."""
-        return self._bytes_by_topic.pop(topic, 0)
-
-    def reject(self, topic: str, exc: ProtocolError) -> None:
-        """Count and log a message that failed validation (also used by callers for semantic checks)."""
-        self.rejections[exc.reason] += 1
-        log.warning("rejected message on %s: %s: %s", topic, type(exc).__name__, exc)

@@ -40,7 +40,7 @@ from edge_client.protocol import (
     encode,
 )
 from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.transport import Link, LinkConfig, MqttLink
 from server.config import RunConfig
 from server.evaluation import Evaluator
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
@@ -98,6 +98,7 @@ class Orchestrator:
         observer: RoundObserver | None = None,
         summary_extra: dict[str, Any] | None = None,
         root: ArrayDataset | None = None,
+        link: Link | None = None,
     ) -> None:
         self.config = config
         self.model_spec = model_spec
@@ -119,7 +120,7 @@ class Orchestrator:
         self.client_samples: dict[str, int] = {}  # shared with the strategy's context
         self.current: RoundState | None = None
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
-        self.link = MqttLink(
+        self.link: Link = link or MqttLink(
             link_config,
             f"edgefl-server-{config.run.job}",
             [self.topics.all_up],
