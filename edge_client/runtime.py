@@ -26,10 +26,10 @@ from edge_client.behaviours import Behaviour
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
+from edge_client.protocol import Assignment, Hello, Message, Presence, Stop, Update, encode
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import prepare_process, train_local
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.transport import Link, LinkConfig, MqttLink
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class EdgeClient:
         threads: int = 1,
         state_dir: Path | None = None,
         behaviour: str = "honest",
+        link: Link | None = None,
     ) -> None:
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
@@ -66,7 +67,7 @@ class EdgeClient:
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._last_upload: dict[str, float] = {}
         will = encode(Presence(client_id=self.client_id, online=False, reason="connection lost"))
-        self.link = MqttLink(
+        self.link: Link = link or MqttLink(
             link_config,
             f"edgefl-{job}-{self.client_id}",
             [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server],
@@ -88,14 +89,8 @@ class EdgeClient:
                 received = self.link.receive(timeout=1.0)
                 if received is None:
                     continue
-                _, msg = received
-                if isinstance(msg, Stop):
-                    log.info("server says stop: %s", msg.reason)
+                if not self.handle(received[1]):
                     break
-                if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-                    self._say_hello()  # the server (re)started: register again
-                elif isinstance(msg, Assignment):
-                    self._serve(msg)
             self.link.wait_published(timeout=30.0)
         finally:
             self.link.publish(
@@ -103,6 +98,17 @@ class EdgeClient:
             )
             self.link.wait_published(timeout=5.0)
             self.link.stop()
+
+    def handle(self, msg: Message) -> bool:
+        """Act on one message from the server; False once the server said stop."""
+        if isinstance(msg, Stop):
+            log.info("server says stop: %s", msg.reason)
+            return False
+        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
+            self._say_hello()  # the server (re)started: register again
+        elif isinstance(msg, Assignment):
+            self._serve(msg)
+        return True
 
     def _model_for(self, spec: dict[str, Any]) -> FlatModel:
         if self._model is None or spec != self._model_spec:
