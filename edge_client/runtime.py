@@ -34,6 +34,8 @@ from edge_client.transport import Link, LinkConfig, MqttLink
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[dict[str, Any]], nn.Module]
+#: Builds the client's link from its subscriptions and the hook to call on every (re)connect (in-process runs).
+LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 
 
 class EdgeClient:
@@ -43,14 +45,14 @@ class EdgeClient:
         self,
         client_id: str,
         dataset: ArrayDataset,
-        link_config: LinkConfig,
+        link_config: LinkConfig | None,
         *,
         job: str = "default",
         model_factory: ModelFactory = build_model,
         threads: int = 1,
         state_dir: Path | None = None,
         behaviour: str = "honest",
-        link: Link | None = None,
+        link_factory: LinkFactory | None = None,
     ) -> None:
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
@@ -66,14 +68,21 @@ class EdgeClient:
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._last_upload: dict[str, float] = {}
-        will = encode(Presence(client_id=self.client_id, online=False, reason="connection lost"))
-        self.link: Link = link or MqttLink(
-            link_config,
-            f"edgefl-{job}-{self.client_id}",
-            [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server],
-            will=(self.topics.up(self.client_id), will, False),
-            on_connect=self._say_hello,
-        )
+        subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
+        self.link: Link
+        if link_factory is not None:
+            self.link = link_factory(subscriptions, self._say_hello)
+        elif link_config is None:
+            raise ValueError("EdgeClient needs a link_config (the broker to use) or a link_factory")
+        else:
+            will = encode(Presence(client_id=self.client_id, online=False, reason="connection lost"))
+            self.link = MqttLink(
+                link_config,
+                f"edgefl-{job}-{self.client_id}",
+                subscriptions,
+                will=(self.topics.up(self.client_id), will, False),
+                on_connect=self._say_hello,
+            )
 
     def _say_hello(self) -> None:
         hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())

@@ -93,31 +93,12 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
         broker.stop()
 
 
-def _train(
-    config: RunConfig, link: LinkConfig, bundle: Any, out_dir: Path, root: Any = None, **extra: Any
-) -> dict[str, Any]:
-    from server.evaluation import Evaluator
-    from server.orchestrator import Orchestrator
-    from server.progress import RoundProgress, clients_table, summary_table
+def _report(summary: dict[str, Any], out_dir: Path, console: Any) -> None:
+    from server.progress import clients_table, summary_table
 
-    spec = config.model or bundle.model
-    extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed, **extra}
-    with RoundProgress(config.run.rounds) as progress:
-        orchestrator = Orchestrator(
-            config,
-            link,
-            Evaluator(spec, bundle.test),
-            spec,
-            out_dir,
-            observer=progress,
-            summary_extra=extra,
-            root=root,
-        )
-        summary = orchestrator.run()
-    progress.console.print(summary_table(summary))
-    progress.console.print(clients_table(summary["per_client"]))
-    progress.console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png and server.log")
-    return summary
+    console.print(summary_table(summary))
+    console.print(clients_table(summary["per_client"]))
+    console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png and server.log")
 
 
 def _print_partition(bundle: Any, scheme: str, table: str) -> None:
@@ -142,10 +123,11 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from server.datasets import load_dataset, split_root
-    from server.simulate import ClientLogin, behaviours, client_ids, prepare_shards, start_clients, stop_clients
+    from server.inprocess import run_inprocess
+    from server.progress import RoundProgress
+    from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 
     config, root_size = _config(args)
-    roles = behaviours(config)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
     bundle = load_dataset(config.data.dataset, seed=config.run.seed)
@@ -155,34 +137,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
-    with _broker_for(config, out_dir, ids) as (link, broker):
-        if broker is not None:
-            logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
-        else:  # an external broker: the clients share the server's login
-            logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
-        procs = start_clients(config, link.url, logins, shards, out_dir / "clients", link.ca_file)
-        finished = False
-        try:
-            _train(
-                config,
-                link,
-                bundle,
-                out_dir,
-                root,
-                freeloaders=[c for c, r in roles.items() if r == "freeloader"],
-                attackers=[c for c, r in roles.items() if r.startswith("scale:")],
-            )
-            finished = True
-        finally:  # after a failure no stop message went out: do not wait for the clients
-            codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
-            failed = {cid: code for cid, code in codes.items() if code}
-            if failed:
-                log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
+    with RoundProgress(config.run.rounds) as progress:
+        if args.in_process:
+            summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
+        else:
+            with _broker_for(config, out_dir, ids) as (link, broker):
+                if broker is not None:
+                    logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
+                else:  # an external broker: the clients share the server's login
+                    logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
+                summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, observer=progress)
+    _report(summary, out_dir, progress.console)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from server.datasets import load_dataset, split_root
+    from server.progress import RoundProgress
+    from server.simulate import make_orchestrator
 
     config, root_size = _config(args)
     out_dir = Path(config.run.out)
@@ -195,7 +167,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        _train(config, link, bundle, out_dir, root)
+        with RoundProgress(config.run.rounds) as progress:
+            summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
+    _report(summary, out_dir, progress.console)
     return 0
 
 
@@ -241,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
             ),
             "--threads": ("clients__threads", int, "torch threads per client process"),
         },
+    )
+    sim.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the clients one after another in this process instead of as processes behind a broker "
+        "(same algorithm code; compute times free of contention between clients)",
     )
     sim.set_defaults(func=cmd_simulate)
 

@@ -14,9 +14,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
 from server.datasets import DatasetBundle, format_histograms, label_histograms, partition, write_shards
+from server.evaluation import Evaluator
+from server.orchestrator import Orchestrator, RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
 
@@ -55,6 +59,42 @@ def behaviours(config: RunConfig) -> dict[str, str]:
     for cid in ids[len(ids) - n_free - n_att : len(ids) - n_free] if n_att else []:
         out[cid] = f"scale:{config.clients.attack_sigma}"
     return out
+
+
+def roles_summary(config: RunConfig) -> dict[str, list[str]]:
+    """Who misbehaves, for summary.json: what freeloader detection and robustness are judged against."""
+    roles = behaviours(config)
+    return {
+        "freeloaders": [c for c, r in roles.items() if r == "freeloader"],
+        "attackers": [c for c, r in roles.items() if r.startswith("scale:")],
+    }
+
+
+def make_orchestrator(
+    config: RunConfig,
+    bundle: DatasetBundle,
+    out_dir: Path,
+    *,
+    link_config: LinkConfig | None = None,
+    link: Link | None = None,
+    root: Any = None,
+    observer: RoundObserver | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Orchestrator:
+    """The server for ``bundle``: the configured model (or the data set's default), evaluated on its test split."""
+    spec = config.model or bundle.model
+    summary_extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
+    return Orchestrator(
+        config,
+        link_config,  # type: ignore[arg-type]  # unused when ``link`` is given
+        Evaluator(spec, bundle.test),
+        spec,
+        out_dir,
+        observer=observer,
+        summary_extra={**summary_extra, **(extra or {})},
+        root=root,
+        link=link,
+    )
 
 
 def start_clients(
@@ -126,3 +166,37 @@ def stop_clients(procs: dict[str, subprocess.Popen], timeout: float = 30.0) -> d
             proc.kill()
             proc.wait()
     return {cid: proc.returncode for cid, proc in procs.items()}
+
+
+def run_processes(
+    config: RunConfig,
+    shards: list[Path],
+    link_config: LinkConfig,
+    logins: dict[str, ClientLogin],
+    bundle: DatasetBundle,
+    out_dir: Path,
+    *,
+    root: Any = None,
+    observer: RoundObserver | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``edge-client`` process per shard, the server here, all through the broker; returns the summary."""
+    procs = start_clients(config, link_config.url, logins, shards, out_dir / "clients", link_config.ca_file)
+    finished = False
+    try:
+        summary = make_orchestrator(
+            config,
+            bundle,
+            out_dir,
+            link_config=link_config,
+            root=root,
+            observer=observer,
+            extra={"mode": "broker", **roles_summary(config), **(extra or {})},
+        ).run()
+        finished = True
+    finally:  # after a failure no stop message went out: do not wait for the clients
+        codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
+        failed = {cid: code for cid, code in codes.items() if code}
+        if failed:
+            log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
+    return summary

@@ -1,0 +1,170 @@
+"""In-process execution: the same server and device code, with the clients run one after another in this process.
+
+What crosses the "network" is exactly what would cross MQTT: encoded messages, routed by topic filter, decoded and
+validated by each side's ``Inbox``. Only the transport and the scheduling differ: when the server waits for a
+message, the next client with work pending runs to completion on the server's thread. So a sweep needs no broker and
+no processes, and every client's compute time is measured with the machine to itself (no two clients share the
+cores), which is what the papers' time-to-accuracy figures assume.
+
+With one torch thread and the same seed, a run gives the same accuracy as the same run over a broker with one
+process per client (tests/test_inprocess.py checks this to 1e-4 after three rounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from paho.mqtt.client import topic_matches_sub
+
+from edge_client.data import load_local_data
+from edge_client.protocol import Message
+from edge_client.runtime import EdgeClient
+from edge_client.topics import Topics
+from edge_client.trainer import prepare_process
+from edge_client.transport import Inbox, LinkConfig
+from server.config import RunConfig
+from server.datasets import DatasetBundle
+from server.orchestrator import RoundObserver
+from server.simulate import behaviours, client_ids, make_orchestrator, roles_summary
+
+log = logging.getLogger("edgefl.inprocess")
+
+#: A round never times out in-process: clients run one after another, so the wall clock of a round is the sum of
+#: their compute, and a deadline sized for parallel devices would cut the last ones off.
+NO_DEADLINE_S = 1e9
+
+
+class LocalBus:
+    """Routes published frames to every other attached link whose subscriptions match, keeping retained ones."""
+
+    def __init__(self) -> None:
+        self.links: list[LocalLink] = []
+        self.retained: dict[str, bytes] = {}
+        self.clients: list[tuple[EdgeClient, LocalLink]] = []
+
+    def deliver(self, sender: LocalLink, topic: str, payload: bytes, retain: bool) -> None:
+        if retain:
+            self.retained[topic] = payload
+        for link in self.links:
+            if link is not sender and link.subscribed(topic):
+                link.put(topic, payload)
+
+    def connect(self, subscriptions: list[str], on_connect: Callable[[], None]) -> LocalLink:
+        """An EdgeClient's ``link_factory``."""
+        return LocalLink(self, subscriptions, on_connect=on_connect)
+
+    def add_client(self, client: EdgeClient) -> None:
+        """Attach a client built with ``link_factory=bus.connect``; it says hello as it would on connecting."""
+        if not isinstance(client.link, LocalLink):
+            raise TypeError(f"client {client.client_id} was not built with link_factory=bus.connect")
+        self.clients.append((client, client.link))
+        client.link.start()
+
+    def run_next_client(self) -> bool:
+        """Let the first client with messages waiting handle all of them; False when no client had any."""
+        for client, link in self.clients:
+            if link.pending():
+                while (received := link.receive(0)) is not None:
+                    client.handle(received[1])
+                return True
+        return False
+
+
+class LocalLink(Inbox):
+    """A ``Link`` on a ``LocalBus``: publishing delivers at once, and the server's ``receive`` runs waiting clients."""
+
+    def __init__(
+        self,
+        bus: LocalBus,
+        subscriptions: list[str],
+        *,
+        drives_clients: bool = False,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(LinkConfig.max_message_bytes)
+        self.bus = bus
+        self.subscriptions = subscriptions
+        self.drives_clients = drives_clients
+        self._on_connect = on_connect
+
+    def subscribed(self, topic: str) -> bool:
+        return any(topic_matches_sub(sub, topic) for sub in self.subscriptions)
+
+    def put(self, topic: str, payload: bytes) -> None:
+        self._inbox.put((topic, payload))
+
+    def pending(self) -> bool:
+        return not self._inbox.empty()
+
+    def start(self) -> LocalLink:
+        self.bus.links.append(self)
+        for topic, payload in self.bus.retained.items():
+            if self.subscribed(topic):
+                self.put(topic, payload)
+        if self._on_connect:
+            self._on_connect()
+        return self
+
+    def stop(self) -> None:
+        if self in self.bus.links:
+            self.bus.links.remove(self)
+
+    def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int:
+        self.bus.deliver(self, topic, bytes(payload), retain)
+        return len(payload)
+
+    def wait_published(self, timeout: float) -> bool:
+        return True
+
+    def receive(self, timeout: float) -> tuple[str, Message] | None:
+        """Never waits: when nothing is queued, the next client with work runs first; None once nobody has any."""
+        received = super().receive(0)
+        while received is None and self.drives_clients and self.bus.run_next_client():
+            received = super().receive(0)
+        return received
+
+
+def run_inprocess(
+    config: RunConfig,
+    shards: list[Path],
+    bundle: DatasetBundle,
+    out_dir: Path,
+    *,
+    root: Any = None,
+    observer: RoundObserver | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One EdgeClient per shard on one bus, the server here; returns the run's summary.
+
+    Clients load the same .npz shards the processes of ``simulate`` load, so both modes train on identical arrays.
+    """
+    config = dataclasses.replace(config, clients=dataclasses.replace(config.clients, round_deadline_s=NO_DEADLINE_S))
+    prepare_process(config.clients.threads)
+    roles = behaviours(config)
+    bus = LocalBus()
+    for cid, shard in zip(client_ids(config.clients.count), shards, strict=True):
+        client = EdgeClient(
+            cid,
+            load_local_data(shard),
+            None,
+            job=config.run.job,
+            threads=config.clients.threads,
+            state_dir=out_dir / "clients" / f"{cid}.state",
+            behaviour=roles[cid],
+            link_factory=bus.connect,
+        )
+        bus.add_client(client)
+    orchestrator = make_orchestrator(
+        config,
+        bundle,
+        out_dir,
+        link=LocalLink(bus, [Topics(config.run.job).all_up], drives_clients=True),
+        root=root,
+        observer=observer,
+        extra={"mode": "inprocess", **roles_summary(config), **(extra or {})},
+    )
+    return orchestrator.run()
