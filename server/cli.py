@@ -64,13 +64,15 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, int]:
     return config, strategy.root_size()
 
 
-def _setup_logging(out_dir: Path, verbose: bool) -> None:
+def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -> None:
     from rich.logging import RichHandler
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(out_dir / "server.log", mode="w")
+    file_handler = logging.FileHandler(out_dir / log_name, mode="a" if log_name == "bench.log" else "w")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    console = RichHandler(level=logging.INFO if verbose else logging.WARNING, show_path=False, markup=False)
+    # A bench's console is its progress bar and one line per run; warnings of its many runs stay in bench.log.
+    quiet = logging.ERROR if log_name == "bench.log" else logging.WARNING
+    console = RichHandler(level=logging.INFO if verbose else quiet, show_path=False, markup=False)
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
 
 
@@ -173,6 +175,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from server.bench import run_suite
+    from server.suites import load_suite, shipped
+
+    if args.list:
+        for name in shipped():
+            print(f"{name:<16} {load_suite(name).description}")
+        return 0
+    suite = load_suite(args.suite, args.config)
+    if args.seeds:
+        suite.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.algorithms:
+        suite.algorithms = [a for a in args.algorithms.split(",") if a]
+    out_dir = Path(args.out or f"runs/bench-{suite.name}")
+    _setup_logging(out_dir, args.verbose, log_name="bench.log")
+    run_suite(suite, out_dir, args.mode)
+    print((out_dir / "accuracy.md").read_text())
+    print(f"wrote {out_dir}/report.md with every table (.md and .csv beside it) and the plots")
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from server.broker import Broker, BrokerSettings
 
@@ -248,6 +271,29 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--seed", type=int, default=0, help="partition seed")
     part.add_argument("--out", default="shards", help="output directory")
     part.set_defaults(func=cmd_partition)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a suite of algorithms x partitions x seeds and write the papers' tables and plots",
+        description="Run every algorithm of a suite on the identical partitions and seeds, then write "
+        "round-to-accuracy, time-to-accuracy, client compute and freeloader tables (Markdown and CSV) and "
+        "accuracy plots. A finished run is kept when the same output directory is used again.",
+    )
+    which = bench.add_mutually_exclusive_group(required=True)
+    which.add_argument("--suite", help="a shipped suite (see --list)")
+    which.add_argument("--config", help="a suite file: a run configuration plus a [bench] section")
+    which.add_argument("--list", action="store_true", help="list the shipped suites")
+    bench.add_argument(
+        "--mode",
+        choices=["inprocess", "broker"],
+        help="inprocess: clients one after another in this process; broker: one process per client behind "
+        "mosquitto (default: the suite's)",
+    )
+    bench.add_argument("--out", help="output directory (default runs/bench-<suite>)")
+    bench.add_argument("--seeds", help="comma-separated seeds instead of the suite's")
+    bench.add_argument("--algorithms", help="comma-separated algorithms instead of the suite's")
+    bench.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
+    bench.set_defaults(func=cmd_bench)
 
     broker = sub.add_parser(
         "broker",

@@ -1,0 +1,148 @@
+"""`edge-server bench`: run a suite's grid of algorithms x partitions x seeds and write the papers' kind of tables.
+
+Every algorithm of a column trains on the identical partition with the identical seeds; only the algorithm differs.
+Runs go one after another, in-process by default (clients one after another, compute times free of contention) or
+over a broker with one process per client (``--mode broker``, what devices do). A finished run is not run again when
+the bench is restarted with the same output directory, so a long suite can be resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from edge_client.transport import LinkConfig
+from server.bench_report import write_report
+from server.datasets import DatasetBundle, load_dataset, split_root
+from server.inprocess import run_inprocess
+from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes
+from server.strategies import TrainSettings, make_strategy
+from server.suites import RunSpec, Suite
+
+log = logging.getLogger("edgefl.bench")
+
+BrokerLogins = tuple[LinkConfig, dict[str, ClientLogin]]
+
+
+@contextlib.contextmanager
+def _broker(out_dir: Path, mode: str, clients: int) -> Iterator[BrokerLogins | None]:
+    """One mosquitto for the whole bench in broker mode (each run has its own job, so topics never mix)."""
+    if mode != "broker":
+        yield None
+        return
+    from server.broker import Broker, BrokerSettings
+
+    ids = client_ids(clients)
+    with Broker(out_dir / "broker", BrokerSettings(devices=ids)).start() as broker:
+        logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
+        yield LinkConfig(broker.url, broker.server.username, broker.server.password), logins
+
+
+def _root_size(spec: RunSpec) -> int:
+    t = spec.config.train
+    return make_strategy(
+        t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), spec.config.algorithm_params()
+    ).root_size()
+
+
+def run_one(
+    spec: RunSpec,
+    bundle: DatasetBundle,
+    out_dir: Path,
+    mode: str,
+    broker: tuple[LinkConfig, dict[str, ClientLogin]] | None,
+) -> dict[str, Any]:
+    """Train one cell of the grid into ``out_dir`` and return its record (summary plus per-round curve)."""
+    config = dataclasses.replace(spec.config, run=dataclasses.replace(spec.config.run, out=str(out_dir)))
+    bundle = dataclasses.replace(bundle)
+    root = None
+    root_size = _root_size(spec)
+    if root_size:  # drag-br's root samples are held by no client
+        root, bundle.train = split_root(bundle.train, root_size, spec.seed)
+    ids = client_ids(config.clients.count)
+    shards, _ = prepare_shards(bundle, ids, config.data.partition, spec.seed, out_dir / "shards")
+    extra = {"bench_column": spec.column, "variant": spec.variant}
+    if broker is None:
+        summary = run_inprocess(config, shards, bundle, out_dir, root=root, extra=extra)
+    else:
+        link, logins = broker
+        summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, extra=extra)
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
+    lazy = set(summary.get("freeloaders") or [])  # their "compute" is not training: keep it out of Table I
+    shutil.rmtree(out_dir / "shards", ignore_errors=True)  # the partition is reproducible from the seed
+    return {
+        "variant": spec.variant,
+        "partition": spec.partition,
+        "column": spec.column,
+        "algorithm": spec.algorithm,
+        "seed": spec.seed,
+        "summary": summary,
+        "curve": [
+            {
+                "round": r["round"],
+                "accuracy": r["accuracy"],
+                "elapsed_s": r["elapsed_s"],
+                "slowest_compute_s": r["slowest_compute_s"],
+                "compute_s": sum(c["compute_s"] for cid, c in r["clients"].items() if cid not in lazy),
+                "local_steps": sum(c["local_steps"] for cid, c in r["clients"].items() if cid not in lazy),
+            }
+            for r in rows
+        ],
+    }
+
+
+def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Console | None = None) -> list[dict]:
+    """Run (or resume) every cell of the suite, then write the tables and plots; returns the run records."""
+    mode = mode or suite.mode
+    console = console or Console(stderr=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = suite.runs()
+    datasets: dict[tuple[str, int], DatasetBundle] = {}
+    records: list[dict[str, Any]] = []
+    started = time.monotonic()
+    most_clients = max(s.config.clients.count for s in specs)
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    ]
+    with _broker(out_dir, mode, most_clients) as broker, Progress(*columns, console=console) as progress:
+        task = progress.add_task(f"bench {suite.name}", total=len(specs))
+        for i, spec in enumerate(specs, 1):
+            run_dir = out_dir / "runs" / spec.path
+            done_file = run_dir / "record.json"
+            if done_file.exists():
+                records.append(json.loads(done_file.read_text()))
+                progress.console.print(f"run {i}/{len(specs)} {spec.path}: done before, kept")
+                progress.advance(task)
+                continue
+            progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
+            key = (spec.config.data.dataset, spec.seed)
+            if key not in datasets:
+                datasets[key] = load_dataset(spec.config.data.dataset, seed=spec.seed)
+            t0 = time.monotonic()
+            record = run_one(spec, datasets[key], run_dir, broker)
+            record["mode"], record["duration_s"] = mode, time.monotonic() - t0
+            done_file.write_text(json.dumps(record) + "\n")
+            records.append(record)
+            s = record["summary"]
+            reached = f"target in round {s['rounds_to_target']}" if s["rounds_to_target"] else "target not reached"
+            progress.console.print(
+                f"run {i}/{len(specs)} {spec.algorithm:<13} {spec.column:<22} seed {spec.seed}: "
+                f"accuracy {s['final_accuracy']:.4f} after {s['rounds']} rounds, {reached}, "
+                f"{time.monotonic() - t0:.0f} s"
+            )
+            progress.advance(task)
+    write_report(suite, records, out_dir, mode=mode, duration_s=time.monotonic() - started)
+    return records

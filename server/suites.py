@@ -1,0 +1,186 @@
+"""Benchmark suites: a base run configuration and the grid of algorithms x partitions x seeds (x variants) to run on it.
+
+A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clients]``, ``[data]``, ``[train]``,
+``[model]``, ``[algorithm.NAME]``) plus a ``[bench]`` section::
+
+    [bench]
+    description = "TACO Table V, FMNIST column"
+    paper = "TACO: FedAvg 71.36, ..."        # what the paper reports, shown beside the results
+    scaled = "100 rounds -> 30"              # what was scaled down from the paper to fit the machine
+    algorithms = ["fedavg", "taco"]
+    partitions = ["taco-groups"]
+    seeds = [0, 1, 2]
+    mode = "inprocess"                       # or "broker"
+
+    [[bench.variants]]                       # optional: named overrides, one table column each
+    name = "C=0.1"
+    clients = { fraction = 0.1 }
+
+The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from server.config import ConfigError, RunConfig, from_dict
+
+MODES = ("inprocess", "broker")
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunSpec:
+    """One cell of the grid: what to run and where its outputs go (relative to the bench's output directory)."""
+
+    variant: str
+    partition: str
+    algorithm: str
+    seed: int
+    config: RunConfig
+
+    @property
+    def column(self) -> str:
+        """The table column this run belongs to: one per variant and partition."""
+        return self.partition if self.variant == "default" else f"{self.variant} · {self.partition}"
+
+    @property
+    def path(self) -> str:
+        safe = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in self.variant)
+        part = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.partition)
+        return f"{safe}/{part}/{self.algorithm}/seed-{self.seed}"
+
+
+@dataclass
+class Suite:
+    name: str
+    base: dict[str, Any]
+    algorithms: list[str]
+    partitions: list[str]
+    seeds: list[int]
+    variants: list[Variant]
+    mode: str = "inprocess"
+    description: str = ""
+    paper: str = ""
+    scaled: str = ""
+
+    def runs(self) -> list[RunSpec]:
+        """Every run, each validated; all algorithms of a column share the partition and seeds."""
+        out = []
+        for variant in self.variants:
+            for partition in self.partitions:
+                for seed in self.seeds:
+                    for algorithm in self.algorithms:
+                        data = _merge(self.base, variant.overrides)
+                        data = _merge(
+                            data,
+                            {
+                                "run": {"seed": seed, "job": f"bench-{self.name}"},
+                                "data": {"partition": partition},
+                                "train": {"algorithm": algorithm},
+                            },
+                        )
+                        out.append(RunSpec(variant.name, partition, algorithm, seed, from_dict(data)))
+        return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def shipped() -> list[str]:
+    """Names of the suites that ship with edgefl."""
+    return sorted(
+        p.name[:-5] for p in resources.files("server").joinpath("suites").iterdir() if p.name.endswith(".toml")
+    )
+
+
+def _str_list(bench: dict[str, Any], key: str, where: str, *, kind: type = str) -> list[Any]:
+    value = bench.get(key)
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    ):
+        raise ConfigError(f"{where}: bench.{key} must be a non-empty list of {kind.__name__}s; got {value!r}")
+    return value
+
+
+def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
+    """A suite from parsed TOML; errors name the file and the key."""
+    data = copy.deepcopy(data)
+    bench = data.pop("bench", None)
+    if not isinstance(bench, dict):
+        raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
+    known = {"algorithms", "partitions", "seeds", "variants", "mode", "description", "paper", "scaled"}
+    unknown = sorted(set(bench) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) bench.{', bench.'.join(unknown)}; valid: {', '.join(sorted(known))}"
+        )
+    mode = bench.get("mode", "inprocess")
+    if mode not in MODES:
+        raise ConfigError(f"{where}: bench.mode must be one of {', '.join(MODES)}; got {mode!r}")
+    variants = []
+    for i, raw in enumerate(bench.get("variants") or [{"name": "default"}]):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
+            raise ConfigError(f'{where}: bench.variants[{i}] needs a name = "..." and the sections it overrides')
+        overrides = {k: v for k, v in raw.items() if k != "name"}
+        variants.append(Variant(raw["name"], overrides))
+    if len({v.name for v in variants}) != len(variants):
+        raise ConfigError(f"{where}: bench.variants names must be unique")
+    suite = Suite(
+        name=name,
+        base=data,
+        algorithms=_str_list(bench, "algorithms", where),
+        partitions=_str_list(bench, "partitions", where),
+        seeds=_str_list(bench, "seeds", where, kind=int),
+        variants=variants,
+        mode=mode,
+        description=str(bench.get("description", "")),
+        paper=str(bench.get("paper", "")),
+        scaled=str(bench.get("scaled", "")),
+    )
+    try:
+        suite.runs()
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return suite
+
+
+def load_suite(name: str | None = None, path: str | Path | None = None) -> Suite:
+    """A shipped suite by name, or a suite file."""
+    if (name is None) == (path is None):
+        raise ConfigError("give either --suite NAME or --config FILE")
+    if name is not None:
+        if name not in shipped():
+            raise ConfigError(f"unknown suite {name!r}; shipped suites: {', '.join(shipped())} (or --config FILE)")
+        text = resources.files("server").joinpath("suites", f"{name}.toml").read_text()
+        where = f"suite {name}"
+    else:
+        file = Path(path).expanduser()  # type: ignore[arg-type]
+        if not file.is_file():
+            raise ConfigError(f"suite file {file} does not exist")
+        text, name, where = file.read_text(), file.stem, str(file)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from exc
+    return parse_suite(name, data, where)
