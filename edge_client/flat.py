@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from edge_client.models import set_flat
+from edge_client.models import loss_function, set_flat
 
 
 class FlatModel:
@@ -32,7 +31,7 @@ class FlatModel:
                 p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
         #: the model's own loss when it defines one (e.g. a squared hinge), else cross-entropy
-        self.loss_fn = getattr(module, "loss", None) or F.cross_entropy
+        self.loss_fn = loss_function(module)
 
     @property
     def size(self) -> int:

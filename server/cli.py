@@ -18,10 +18,18 @@ from server.config import ConfigError, RunConfig, load_config, override
 
 log = logging.getLogger("edgefl.server")
 
+DATASET_HELP = (
+    "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
+    "idx directory (docs/datasets.md)"
+)
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
-    "--dataset": ("data__dataset", str, "mnist, digits, or a path to an .npz / idx directory"),
+    "--dataset": (
+        "data__dataset",
+        str,
+        DATASET_HELP,
+    ),
     "--rounds": ("run__rounds", int, "number of rounds"),
     "--local-steps": ("train__local_steps", int, "local SGD steps per round (tau)"),
     "--batch-size": ("train__batch_size", int, "mini-batch size"),
@@ -260,7 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="split a data set into one .npz per device",
         description="Partition a data set's training split and write <id>.npz per device, for edge-client run --data.",
     )
-    part.add_argument("--dataset", default="mnist", help="mnist, digits, or a path to an .npz / idx directory")
+    part.add_argument(
+        "--dataset",
+        default="mnist",
+        help=DATASET_HELP,
+    )
     part.add_argument(
         "--partition",
         default="iid",

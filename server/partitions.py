@@ -11,6 +11,8 @@ Forms (case-insensitive):
 * ``shards:K`` -- FedUmf / McMahan shards: sort by label, cut into ``K * M`` equal shards, K random shards per client
   (``shards:2`` is FedUmf's "at most two classes") (5.5).
 * ``unbalanced:SIGMA`` -- IID labels, client sizes ``~ LogNormal(0, SIGMA)`` normalised to the data size (5.5 appendix).
+* ``natural`` -- LEAF's split: every client gets whole groups (shakespeare: speakers), so it needs per-sample
+  ``groups``.
 
 Every scheme returns one sorted index array per client; together they hold every index exactly once, and the result
 depends only on the arguments (one ``numpy.random.default_rng(seed)`` per call). "Label l" means the l-th distinct
@@ -28,7 +30,8 @@ __all__ = ["PARTITION_FORMS", "partition"]
 
 PARTITION_FORMS = (
     "'taco-groups', 'fedveca-case:N' (N = 1, 2, 3), 'drag-q:Q' (0 <= Q <= 1), 'shards:K' (K >= 1), "
-    "'unbalanced:SIGMA' (SIGMA > 0), 'iid' or 'dirichlet:PHI' (e.g. dirichlet:0.5)"
+    "'unbalanced:SIGMA' (SIGMA > 0), 'natural' (data sets with groups, e.g. shakespeare), 'iid' or 'dirichlet:PHI' "
+    "(e.g. dirichlet:0.5)"
 )
 _DIRICHLET_TRIES = 1000
 _REDRAW_TRIES = 1000
@@ -46,7 +49,7 @@ def _out_of_range(scheme: str, what: str) -> ValueError:
 def _parse_scheme(scheme: str) -> tuple[str, float | int | None]:
     """(kind, parameter) for a scheme string; ValueError naming the valid forms when it is not one."""
     text = str(scheme).strip().lower()
-    if text in ("iid", "taco-groups"):
+    if text in ("iid", "taco-groups", "natural"):
         return text, None
     kind, sep, value = text.partition(":")
     if not sep or kind not in ("dirichlet", "fedveca-case", "drag-q", "shards", "unbalanced"):
@@ -75,7 +78,15 @@ def _parse_scheme(scheme: str) -> tuple[str, float | int | None]:
 
 
 def partition(
-    labels: np.ndarray, num_clients: int, scheme: str, seed: int, *, min_size: int = 10, balance: bool = True
+    labels: np.ndarray,
+    num_clients: int,
+    scheme: str,
+    seed: int,
+    *,
+    min_size: int = 10,
+    balance: bool = True,
+    groups: np.ndarray | None = None,
+    dataset: str = "this data set",
 ) -> list[np.ndarray]:
     """Split sample indices among clients by ``scheme`` (see the module docstring for the forms).
 
@@ -83,6 +94,7 @@ def partition(
     ``min_size`` applies to ``dirichlet`` and ``unbalanced`` (each client gets at least that many samples);
     ``balance`` is NIID-Bench's rule for ``dirichlet`` that a client already holding more than N/num_clients samples
     gets no more. The other non-IID schemes raise ValueError if some client would end up with no sample.
+    ``groups`` (one id per sample) is what ``natural`` splits by; ``dataset`` names the data in its errors.
     """
     labels = np.asarray(labels)
     n = len(labels)
@@ -94,6 +106,8 @@ def partition(
     rng = np.random.default_rng(seed)
     if kind == "iid":
         return [np.sort(p) for p in np.array_split(rng.permutation(n), num_clients)]
+    if kind == "natural":
+        return _natural(groups, n, num_clients, rng, dataset)
     if kind == "dirichlet":
         return _dirichlet(labels, num_clients, float(param), rng, scheme, min_size, balance)  # type: ignore[arg-type]
     if kind == "unbalanced":
@@ -112,6 +126,31 @@ def partition(
             f"{len(np.unique(labels))} labels); use fewer clients or another scheme"
         )
     return parts
+
+
+def _natural(
+    groups: np.ndarray | None, n: int, num_clients: int, rng: np.random.Generator, dataset: str
+) -> list[np.ndarray]:
+    """LEAF's natural split: the groups (e.g. speakers) in random order, dealt to the clients in (nearly) equal
+    numbers of whole groups; with as many clients as groups, each client is one group, as in LEAF."""
+    if groups is None:
+        raise ValueError(
+            f"partition 'natural' needs samples grouped by writer/speaker, and {dataset} has no groups: "
+            "use a data set with groups (e.g. shakespeare) or another scheme"
+        )
+    groups = np.asarray(groups)
+    if len(groups) != n:
+        raise ValueError(f"partition 'natural': {len(groups)} group ids for {n} samples")
+    ids, member = np.unique(groups, return_inverse=True)
+    if num_clients > len(ids):
+        raise ValueError(
+            f"partition 'natural': {dataset} has {len(ids)} groups, fewer than the {num_clients} clients; "
+            "use at most that many clients"
+        )
+    client_of_group = np.empty(len(ids), dtype=np.int64)
+    for client, chunk in enumerate(np.array_split(rng.permutation(len(ids)), num_clients)):
+        client_of_group[chunk] = client
+    return _collect(client_of_group[member.reshape(-1)], num_clients)
 
 
 def _label_ranks(labels: np.ndarray) -> tuple[np.ndarray, int]:

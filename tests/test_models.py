@@ -2,7 +2,21 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.models import MLP, MODELS, TacoCNN, build_model, get_flat, num_params, set_flat
+from edge_client.flat import FlatModel
+from edge_client.models import (
+    MLP,
+    MODELS,
+    CharLSTM,
+    FedVecaCNN,
+    SquaredSVM,
+    TacoCNN,
+    build_model,
+    get_flat,
+    num_params,
+    set_flat,
+)
+from server.datasets import ArrayDataset
+from server.evaluation import Evaluator
 
 
 @pytest.mark.parametrize(("channels", "size"), [(1, 28), (3, 32), (1, 16)])
@@ -36,7 +50,7 @@ def test_num_params_ignores_frozen():
 
 
 def test_build_model():
-    assert set(MODELS) == {"cnn", "mlp"}
+    assert set(MODELS) == {"cnn", "mlp", "fedveca-cnn", "svm", "char-lstm"}
     assert isinstance(build_model({"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}), TacoCNN)
     mlp = build_model({"name": "mlp", "in_features": 64, "num_classes": 10, "hidden": [32, 16, 8]})
     assert mlp(torch.zeros(2, 64)).shape == (2, 10)
@@ -90,3 +104,76 @@ def test_set_flat_wrong_length():
     model = MLP(4, 2)
     with pytest.raises(ValueError, match=rf"expected {num_params(model)}.*got"):
         set_flat(model, np.zeros(num_params(model) - 1, np.float32))
+
+
+def test_fedveca_cnn_layers():
+    """ALGORITHMS.md 4.4: 'same' 5x5x32 convs, FC 1568 -> 256 -> classes for 28x28; FC input follows the image."""
+    model = FedVecaCNN(1, 10, 28)
+    assert [m.out_channels for m in model.features if isinstance(m, torch.nn.Conv2d)] == [32, 32]
+    assert model.classifier[0].in_features == 1568 and model.classifier[0].out_features == 256
+    assert FedVecaCNN(3, 10, 32).classifier[0].in_features == 32 * 8 * 8
+    assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_svm_loss_matches_hand_computation():
+    scores = torch.tensor([[2.0], [0.5], [-0.5], [0.2]])
+    labels = torch.tensor([0, 0, 1, 1])  # targets +1, +1, -1, -1
+    # max(0, 1 - t f)^2: 0, 0.25, 0.25, 1.44
+    assert float(SquaredSVM.loss(scores, labels)) == pytest.approx((0 + 0.25 + 0.25 + 1.44) / 4)
+
+
+def test_evaluator_uses_the_svm_rules():
+    """Accuracy by the sign rule (argmax of one column would call everything 0) and the squared-hinge loss."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 3).numpy()
+    y = np.array([0, 1, 1, 0, 1, 0, 0, 1])
+    spec = {"name": "svm", "in_features": 3}
+    weights = np.array([1.0, -1.0, 0.5, 0.1], np.float32)  # w, then b
+    scores = x @ weights[:3] + weights[3]
+    predicted = (scores < 0).astype(int)
+    hinge = np.maximum(0, 1 - (1 - 2 * y) * scores) ** 2
+    accuracy, loss = Evaluator(spec, ArrayDataset(x, y), batch_size=3)(weights)
+    assert accuracy == pytest.approx(np.mean(predicted == y))
+    assert accuracy != pytest.approx(np.mean(y == 0))
+    assert loss == pytest.approx(hinge.mean(), rel=1e-5)
+
+
+def test_char_lstm_shape():
+    model = CharLSTM()
+    assert (model.embed.embedding_dim, model.lstm.hidden_size, model.lstm.num_layers) == (8, 256, 2)
+    assert model(torch.randint(0, 80, (3, 12)).float()).shape == (3, 80)
+
+
+@pytest.mark.parametrize(
+    ("spec", "x", "y", "lr"),
+    [
+        (
+            {"name": "fedveca-cnn", "in_channels": 1, "num_classes": 2, "image_size": 12},
+            torch.rand(8, 1, 12, 12) + (torch.arange(8) % 2).float()[:, None, None, None],
+            torch.arange(8) % 2,
+            0.1,
+        ),
+        ({"name": "svm", "in_features": 20}, torch.randn(32, 20), (torch.arange(32) % 2), 0.1),
+        (
+            {"name": "char-lstm", "hidden_size": 32},
+            torch.arange(16 * 20).reshape(16, 20).float() % 80,
+            torch.arange(16) % 80,
+            1.0,
+        ),
+        (
+            {"name": "mlp", "in_features": 108, "num_classes": 2, "hidden": [32, 16, 8]},
+            torch.randn(32, 108),
+            (torch.arange(32) % 2),
+            0.5,
+        ),
+    ],
+)
+def test_new_models_train(spec, x, y, lr):
+    """A few SGD steps on one batch lower the model's own loss (FlatModel picks the SVM's squared hinge)."""
+    torch.manual_seed(0)
+    flat = FlatModel(build_model(spec))
+    first = float(flat.loss_and_grad(x, y))
+    for _ in range(30):
+        flat.loss_and_grad(x, y)
+        flat.params.add_(flat.grad, alpha=-lr)
+    assert float(flat.loss_and_grad(x, y)) < 0.9 * first

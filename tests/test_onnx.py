@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.models import build_model, get_flat
+from edge_client.models import MODELS, build_model, get_flat, predict_labels
 from edge_client.predictor import Predictor, sidecar_path, softmax
 from server.onnx_export import export_onnx, sample_shape_for
 
@@ -25,8 +25,19 @@ SPECS: dict[str, dict[str, Any]] = {
     "cnn-28x28x1": {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
     "cnn-32x32x3": {"name": "cnn", "in_channels": 3, "num_classes": 10, "image_size": 32},
     "mlp-digits": {"name": "mlp", "in_features": 64, "num_classes": 10},
+    "fedveca-cnn-28x28x1": {"name": "fedveca-cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
 }
-SHAPES = {"cnn-28x28x1": (1, 28, 28), "cnn-32x32x3": (3, 32, 32), "mlp-digits": (64,)}
+SHAPES = {
+    "cnn-28x28x1": (1, 28, 28),
+    "cnn-32x32x3": (3, 32, 32),
+    "mlp-digits": (64,),
+    "fedveca-cnn-28x28x1": (1, 28, 28),
+}
+# Models whose outputs are not 10-class logits of real-valued inputs: their own parity test below.
+OTHER_SPECS = {
+    "svm": {"name": "svm", "in_features": 784},
+    "char-lstm": {"name": "char-lstm"},
+}
 
 
 def random_model(spec: dict[str, Any], seed: int) -> tuple[torch.nn.Module, np.ndarray]:
@@ -51,9 +62,15 @@ def torch_logits(model: torch.nn.Module, x: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(x)).numpy()
 
 
+def test_every_shipped_model_is_covered() -> None:
+    assert {spec["name"] for spec in [*SPECS.values(), *OTHER_SPECS.values()]} == set(MODELS)
+
+
 def test_sample_shape_for_the_shipped_models() -> None:
     for key, spec in SPECS.items():
         assert sample_shape_for(spec) == SHAPES[key]
+    assert sample_shape_for(OTHER_SPECS["svm"]) == (784,)
+    assert sample_shape_for(OTHER_SPECS["char-lstm"]) == (80,)
     with pytest.raises(ValueError, match="cannot derive an input shape"):
         sample_shape_for({"name": "resnet"})
 
@@ -199,3 +216,29 @@ def test_prediction_never_imports_torch(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_svm_onnx_parity_and_sign_rule(tmp_path: Path) -> None:
+    """One score column: logits match torch, predict uses the SVM's own sign rule, probabilities are refused."""
+    model, weights = random_model(OTHER_SPECS["svm"], 4)
+    predictor = Predictor(export_onnx(OTHER_SPECS["svm"], weights, tmp_path / "svm.onnx"))
+    x = np.random.default_rng(2).normal(size=(64, 1, 28, 28)).astype(np.float32)  # images, flattened by the SVM
+    expected = torch_logits(model, x)
+    logits = predictor.logits(x)
+    assert logits.shape == (64, 1) and np.max(np.abs(logits - expected)) <= 1e-5
+    labels = predictor.predict(x)
+    np.testing.assert_array_equal(labels, predict_labels(model, torch.from_numpy(expected)).numpy())
+    assert 0 < labels.sum() < 64  # both signs occur, so the rule is really exercised
+    with pytest.raises(ValueError, match="single score output"):
+        predictor.predict_proba(x)
+
+
+def test_char_lstm_onnx_parity(tmp_path: Path) -> None:
+    """Character indices as float32 (as ArrayDataset stores them) give the same 80 logits in onnxruntime."""
+    model, weights = random_model(OTHER_SPECS["char-lstm"], 5)
+    predictor = Predictor(export_onnx(OTHER_SPECS["char-lstm"], weights, tmp_path / "lstm.onnx"))
+    x = np.random.default_rng(3).integers(0, 80, (9, 80)).astype(np.float32)
+    expected = torch_logits(model, x)
+    logits = predictor.logits(x)
+    assert logits.shape == (9, 80) and np.max(np.abs(logits - expected)) <= 1e-5
+    np.testing.assert_array_equal(predictor.predict(x, batch_size=4), expected.argmax(1))

@@ -214,3 +214,19 @@ def test_bad_parameter_names_valid_forms(scheme, what):
 def test_too_many_shards():
     with pytest.raises(ValueError, match="shards"):
         partition(np.arange(10), 4, "shards:3", seed=0)
+
+
+def test_natural_keeps_groups_whole():
+    groups = np.repeat(np.arange(12), np.arange(1, 13))  # 12 speakers of different sizes
+    parts = partition(np.zeros(len(groups), np.int64), 5, "natural", seed=0, groups=groups)
+    _check_cover(parts, len(groups))
+    owners = [{int(g) for g in groups[p]} for p in parts]
+    assert sum(len(o) for o in owners) == 12  # no speaker is split between clients
+    assert sorted(len(o) for o in owners) == [2, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="13 clients"):
+        partition(np.zeros(len(groups), np.int64), 13, "natural", seed=0, groups=groups)
+
+
+def test_natural_without_groups_names_the_data_set():
+    with pytest.raises(ValueError, match=r"natural.*mnist has no groups.*shakespeare"):
+        partition(np.zeros(100, np.int64), 2, "natural", seed=0, dataset="mnist")
