@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_OUT, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "round_overhead"]
+BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "round_overhead", "load"]
 TITLES = {
     "wire": "wire",
     "aggregation": "server aggregation",
