@@ -4,7 +4,8 @@
   mean over seeds; ``x`` when no seed reached it, ``k/n`` appended when only k of n seeds did).
 - ``time_to_accuracy``: TACO's time-to-accuracy: wall clock and client compute (the slowest client's compute per
   round, summed; network excluded) until the target.
-- ``compute``: TACO Table I: client seconds per 100 local updates, with the percentage over FedAvg.
+- ``compute``: TACO Table I: client seconds per 100 local updates, with the percentage over FedAvg, and the local
+  updates a run made in all (honest clients; what FedVeca's tau accounting compares).
 - ``freeloaders``: TACO Table VIII: TPR (expelled freeloaders / freeloaders) and FPR (expelled honest clients /
   honest clients), only when a run had freeloaders.
 Each table is written as Markdown and CSV; ``report.md`` holds them all with the suite's description and the plots.
@@ -99,12 +100,15 @@ def _per_100(runs: list[dict[str, Any]]) -> float | None:
 
 def compute_table(records: list[dict[str, Any]]) -> Table:
     columns, algorithms, cells = _grouped(records)
-    header = ["Method", *[f"{col} s / 100 local updates" for col in columns]]
+    header = ["Method"]
+    for col in columns:
+        header += [f"{col} s / 100 local updates", f"{col} local updates per run"]
     rows = []
     for algo in algorithms:
         row = [algo]
         for col in columns:
-            mine = _per_100(cells.get((algo, col), []))
+            runs = cells.get((algo, col), [])
+            mine = _per_100(runs)
             base = _per_100(cells.get(("fedavg", col), []))
             if mine is None:
                 row.append("-")
@@ -112,6 +116,8 @@ def compute_table(records: list[dict[str, Any]]) -> Table:
                 row.append(f"{mine:.3f}s ({(mine / base - 1) * 100:+.2f}%)")
             else:
                 row.append(f"{mine:.3f}s")
+            steps = [sum(p["local_steps"] for p in r["curve"]) for r in runs]
+            row.append(f"{statistics.fmean(steps):,.0f}" if steps else "-")
         rows.append(row)
     return header, rows
 

@@ -1,0 +1,164 @@
+"""`edge-server bench`: suites, the grid, the tables in the papers' layouts, and the smoke suite end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from server.bench_report import accuracy_table, compute_table, freeloader_table, time_table
+from server.config import ConfigError
+from server.suites import load_suite, parse_suite, shipped
+
+PAPER_SUITES = ["taco-fmnist", "taco-adult", "fedumf-mnist", "drag-mnist", "fedveca-mnist"]
+
+
+def _record(algorithm: str, seed: int, acc: float, reached: int | None, *, column: str = "iid", **summary: Any) -> dict:
+    curve = [
+        {"round": 1, "accuracy": acc, "elapsed_s": 1.0, "slowest_compute_s": 0.5, "compute_s": 2.0, "local_steps": 100}
+    ]
+    return {
+        "algorithm": algorithm,
+        "seed": seed,
+        "column": column,
+        "summary": {
+            "final_accuracy": acc,
+            "rounds": 50,
+            "rounds_to_target": reached,
+            "time_to_target_s": 10.0 * reached if reached else None,
+            "client_compute_to_target_s": 4.0 * reached if reached else None,
+            "clients": 10,
+            **summary,
+        },
+        "curve": curve,
+    }
+
+
+def test_accuracy_table_has_the_layout_of_taco_table_v() -> None:
+    records = [
+        _record("fedavg", 0, 0.70, 20),
+        _record("fedavg", 1, 0.72, 30),
+        _record("taco", 0, 0.80, 10),
+        _record("taco", 1, 0.80, None),
+        _record("fedprox", 0, 0.30, None),
+        _record("fedprox", 1, 0.30, None),
+    ]
+    header, rows = accuracy_table(records, 0.7)
+    assert header == ["Method", "iid Acc(%) 50R", "iid Rounds (70%)"]
+    assert rows[0] == ["fedavg", "71.00±1.00", "25"]
+    assert rows[1] == ["taco", "80.00±0.00", "10 (1/2)"]  # only one of two seeds reached the target
+    assert rows[2] == ["fedprox", "30.00±0.00", "x"]  # never reached
+
+
+def test_time_and_compute_tables() -> None:
+    records = [_record("fedavg", 0, 0.7, 20), _record("stem", 0, 0.7, 10)]
+    records[1]["curve"][0]["compute_s"] = 3.0  # 1.5x FedAvg's compute for the same 100 local updates
+    _, rows = time_table(records, 0.7)
+    assert rows == [["fedavg", "200.0", "80.0"], ["stem", "100.0", "40.0"]]
+    _, rows = compute_table(records)
+    assert rows == [["fedavg", "2.000s (+0.00%)", "100"], ["stem", "3.000s (+50.00%)", "100"]]
+
+
+def test_freeloader_table_counts_true_and_false_positives() -> None:
+    records = [
+        _record("taco", 0, 0.7, 5, freeloaders=["c8", "c9"], excluded=["c8", "c9", "c0"]),
+        _record("fedavg", 0, 0.7, 5, freeloaders=["c8", "c9"], excluded=[]),
+    ]
+    header, rows = freeloader_table(records)
+    assert header == ["Method", "iid TPR", "iid FPR"]
+    assert rows == [["taco", "100.0%", "12.5%"], ["fedavg", "0.0%", "0.0%"]]
+    assert freeloader_table([_record("taco", 0, 0.7, 5)]) is None  # no freeloaders: no table
+
+
+def test_every_shipped_suite_is_valid_and_the_paper_suites_ship() -> None:
+    assert {*PAPER_SUITES, "smoke"} <= set(shipped())
+    for name in shipped():
+        suite = load_suite(name)
+        runs = suite.runs()
+        assert len(runs) == len(suite.variants) * len(suite.partitions) * len(suite.seeds) * len(suite.algorithms)
+        assert suite.description
+        if name in PAPER_SUITES:
+            assert suite.paper and suite.scaled  # the paper's numbers and what was scaled down are stated
+
+
+def test_suite_errors_name_the_key() -> None:
+    base = {"bench": {"algorithms": ["fedavg"], "partitions": ["iid"], "seeds": [0]}}
+    with pytest.raises(ConfigError, match=r"bench\.seeds"):
+        parse_suite("x", {"bench": {**base["bench"], "seeds": ["a"]}}, "x.toml")
+    with pytest.raises(ConfigError, match=r"bench\.colour"):
+        parse_suite("x", {"bench": {**base["bench"], "colour": 1}}, "x.toml")
+    with pytest.raises(ConfigError, match=r"train\.lr"):
+        parse_suite("x", {**base, "train": {"lr": -1.0}}, "x.toml")
+    with pytest.raises(ConfigError, match="unknown suite 'nope'"):
+        load_suite("nope")
+
+
+def test_variants_override_the_base_configuration() -> None:
+    data = {
+        "bench": {
+            "algorithms": ["fedavg", "fedumf"],
+            "partitions": ["shards:2"],
+            "seeds": [0],
+            "variants": [
+                {"name": "C=0.1", "clients": {"fraction": 0.1}},
+                {"name": "C=0.5", "clients": {"fraction": 0.5}},
+            ],
+        },
+        "clients": {"count": 20},
+    }
+    runs = parse_suite("x", data, "x.toml").runs()
+    assert [(r.variant, r.algorithm, r.config.clients.fraction) for r in runs] == [
+        ("C=0.1", "fedavg", 0.1),
+        ("C=0.1", "fedumf", 0.1),
+        ("C=0.5", "fedavg", 0.5),
+        ("C=0.5", "fedumf", 0.5),
+    ]
+    assert all(r.config.clients.count == 20 and r.config.data.partition == "shards:2" for r in runs)
+    assert runs[0].column == "C=0.1 · shards:2"
+
+
+@pytest.mark.integration
+def test_smoke_suite_end_to_end_and_resumed(tmp_path: Path) -> None:
+    """What CI runs: every table and plot is written; a second invocation keeps the finished runs."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "server.cli", "bench", "--suite", "smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    suite = load_suite("smoke")
+    records = json.loads((out / "records.json").read_text())
+    assert len(records) == len(suite.runs())
+    assert {r["algorithm"] for r in records} == set(suite.algorithms)
+    for name in ("accuracy", "time_to_accuracy", "compute", "freeloaders"):
+        rows = list(csv.reader((out / f"{name}.csv").open()))
+        assert [r[0] for r in rows[1:]] == suite.algorithms, name
+        assert (out / f"{name}.md").read_text().startswith("| Method |")
+    assert len(rows[0]) == 1 + 2 * len(suite.partitions)  # TPR and FPR per column
+    for partition in suite.partitions:
+        png = out / f"accuracy-{partition}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every algorithm of a column saw the identical partition.
+    for partition in suite.partitions:
+        hists = {
+            (r["algorithm"], r["seed"]): [c["num_samples"] for c in _first_round(out, r)]
+            for r in records
+            if r["partition"] == partition
+        }
+        for seed in suite.seeds:
+            assert hists[("fedavg", seed)] == hists[("taco", seed)]
+    report = (out / "report.md").read_text()
+    assert "TACO Table V" in report and "accuracy-iid.png" in report
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("done before, kept") == len(records)
+
+
+def _first_round(out: Path, record: dict) -> list[dict]:
+    path = out / "runs" / "default" / record["partition"] / record["algorithm"] / f"seed-{record['seed']}"
+    first = json.loads((path / "metrics.jsonl").read_text().splitlines()[0])
+    return [first["clients"][c] for c in sorted(first["clients"])]
