@@ -55,13 +55,7 @@ def _root_size(spec: RunSpec) -> int:
     ).root_size()
 
 
-def run_one(
-    spec: RunSpec,
-    bundle: DatasetBundle,
-    out_dir: Path,
-    mode: str,
-    broker: tuple[LinkConfig, dict[str, ClientLogin]] | None,
-) -> dict[str, Any]:
+def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerLogins | None) -> dict[str, Any]:
     """Train one cell of the grid into ``out_dir`` and return its record (summary plus per-round curve)."""
     config = dataclasses.replace(spec.config, run=dataclasses.replace(spec.config.run, out=str(out_dir)))
     bundle = dataclasses.replace(bundle)
@@ -79,6 +73,7 @@ def run_one(
         summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, extra=extra)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line]
     lazy = set(summary.get("freeloaders") or [])  # their "compute" is not training: keep it out of Table I
+    shutil.move(out_dir / "shards" / "label_histograms.txt", out_dir / "label_histograms.txt")
     shutil.rmtree(out_dir / "shards", ignore_errors=True)  # the partition is reproducible from the seed
     return {
         "variant": spec.variant,

@@ -150,6 +150,9 @@ def test_smoke_suite_end_to_end_and_resumed(tmp_path: Path) -> None:
         }
         for seed in suite.seeds:
             assert hists[("fedavg", seed)] == hists[("taco", seed)]
+        for seed in suite.seeds:  # and each run keeps the label histograms of its clients
+            run = out / "runs" / "default" / partition / "taco" / f"seed-{seed}"
+            assert "client-09" in (run / "label_histograms.txt").read_text()
     report = (out / "report.md").read_text()
     assert "TACO Table V" in report and "accuracy-iid.png" in report
 
