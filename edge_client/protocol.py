@@ -468,7 +468,11 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
             raise ShapeMismatch(f"{t}: array {name!r} shape expected <= 32 ints >= 0, got {_short(shape)}")
         if (name in (vector, "data")) and len(shape) != 1:
             raise ShapeMismatch(f"{t}: array {name!r} expected 1-D, got shape {shape}")
-        total += math.prod(shape) * (1 if t in _BYTES else 4)
+        itemsize = 1 if t in _BYTES else 4
+        # zeros count as 1: an empty array with a huge other dimension would make numpy's reshape fail in decode
+        if math.prod(max(s, 1) for s in shape) * itemsize > size:
+            raise ShapeMismatch(f"{t}: array {name!r} shape {_short(shape)} is larger than the {size}-byte frame")
+        total += math.prod(shape) * itemsize
     need = vector or ("data" if t in _BYTES else None)
     if need is not None and need not in seen:
         raise MissingField(f"{t}: missing field {need!r}")

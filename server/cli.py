@@ -208,7 +208,9 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from server.broker import Broker, BrokerSettings
 
     devices = [d for d in (args.devices or "").split(",") if d] + [f"device-{i:02d}" for i in range(args.clients)]
-    settings = BrokerSettings(host=args.host, port=args.port, devices=devices)
+    settings = BrokerSettings(
+        host=args.host, port=args.port, devices=devices, certfile=args.certfile, keyfile=args.keyfile
+    )
     workdir = Path(args.dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before start: SIGTERM must always stop mosquitto too
@@ -317,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--port", type=int, help="port (default: a free one)")
     broker.add_argument("--devices", help="comma-separated device ids to create logins for")
     broker.add_argument("--clients", type=int, default=0, help="also create logins device-00 .. device-NN")
+    broker.add_argument(
+        "--certfile",
+        help="PEM server certificate (e.g. server.crt from provision-broker.sh init); required unless --host is a "
+        "loopback address",
+    )
+    broker.add_argument("--keyfile", help="PEM private key of --certfile")
     broker.set_defaults(func=cmd_broker)
     return parser
 

@@ -175,6 +175,7 @@ def make_config(
     train: dict[str, Any] | None = None,
     algorithm_params: dict[str, Any] | None = None,
     partition: str = "iid",
+    dataset: str = "digits",
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
@@ -182,7 +183,7 @@ def make_config(
         {
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
-            "data": {"dataset": "digits", "partition": partition},
+            "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
         }
@@ -194,10 +195,15 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
     """Start client processes c0..c{n-1} on the session broker and build the server for them."""
     started: list[dict[str, subprocess.Popen]] = []
 
-    def build(job: str, clients: int = 3, rounds: int = 3, **settings: Any) -> tuple[Orchestrator, dict]:
-        """``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section."""
-        config = make_config(tmp_path, job, clients, rounds, **settings)
-        bundle = load_dataset("digits", seed=0)
+    def build(
+        job: str, clients: int = 3, rounds: int = 3, dataset: str = "digits", **settings: Any
+    ) -> tuple[Orchestrator, dict]:
+        """``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section.
+
+        ``dataset``: a built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote.
+        """
+        config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
+        bundle = load_dataset(dataset, seed=0)
         out = Path(config.run.out)
         t = config.train
         root_size = make_strategy(
@@ -220,7 +226,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
             Evaluator(bundle.model, bundle.test),
             bundle.model,
             out,
-            summary_extra={"dataset": "digits"},
+            summary_extra={"dataset": dataset},
             root=root,
         )
         return orch, procs

@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import stat
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from paho.mqtt.client import Client
+from paho.mqtt.client import CallbackAPIVersion, Client
+from paho.mqtt.enums import MQTTProtocolVersion
 
 from server.acl import acl_rules
-from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
+from server.broker import Broker, BrokerSettings, Credentials, MosquittoNotInstalled, find_mosquitto
 
 MqttClientFactory = Callable[..., Client]
 JOB = "j1"
@@ -237,3 +241,58 @@ def test_relative_workdir_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         assert broker.conf_path.is_absolute() and broker.conf_path.exists()
     finally:
         broker.stop()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.10", "broker.lan"])
+def test_network_listener_without_tls_is_refused(host: str, tmp_path: Path) -> None:
+    """Passwords never cross a network in clear text: only loopback may go without TLS; the error names the fix."""
+    with pytest.raises(ValueError, match=r"without TLS.*BrokerSettings\.certfile and BrokerSettings\.keyfile.*127"):
+        Broker(tmp_path / "b", BrokerSettings(host=host))
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match="go together"):
+        Broker(tmp_path / "b", BrokerSettings(certfile="server.crt"))
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        assert Broker(tmp_path / "b", BrokerSettings(host=loopback, port=1)).url.startswith("mqtt://")
+
+
+def _first_answer(broker: Broker, creds: Any, ca: Path | None) -> str:
+    """Connect with or without TLS; return the CONNACK reason or "disconnected" if the broker hung up first."""
+    client = Client(CallbackAPIVersion.VERSION2, client_id=creds.username, protocol=MQTTProtocolVersion.MQTTv5)
+    if ca is not None:
+        client.tls_set(ca_certs=str(ca))
+    client.username_pw_set(creds.username, creds.password)
+    answers: queue.Queue[str] = queue.Queue()
+    client.on_connect = lambda _c, _u, _f, reason, _p: answers.put(str(reason))
+    client.on_disconnect = lambda *_: answers.put("disconnected")
+    client.reconnect_delay_set(60, 60)  # one attempt is the whole test
+    client.connect(broker.settings.host, broker.port)
+    client.loop_start()
+    try:
+        return answers.get(timeout=TIMEOUT)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def test_tls_listener_takes_passwords_over_tls_only(tmp_path: Path, need_mosquitto: None) -> None:
+    """With certfile/keyfile the broker speaks TLS: a TLS client with a password gets in, plain MQTT does not."""
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key)]
+    subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [openssl, "req", "-x509", *new_key, "-days", "1", "-out", str(cert), *subject],
+        check=True,
+        capture_output=True,
+    )
+    b = Broker(tmp_path / "b", BrokerSettings(devices=["d1"], certfile=str(cert), keyfile=str(key))).start()
+    try:
+        assert b.url == f"mqtts://127.0.0.1:{b.port}"
+        assert f"certfile {cert}\nkeyfile {key}\n" in b.conf_path.read_text()
+        assert _first_answer(b, b.devices["d1"], cert) == "Success"
+        assert _first_answer(b, Credentials("d1", "wrong"), cert) in ("Not authorized", "Bad user name or password")
+        assert _first_answer(b, b.devices["d1"], None) == "disconnected"  # plain MQTT on the TLS port
+    finally:
+        b.stop()

@@ -1,8 +1,7 @@
-"""Wire protocol: round trips, zero-copy decoding and every rejection path with its specific error."""
+"""Wire protocol: round trips, zero-copy decoding and every rejection path (fuzzing is in test_fuzz.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -10,11 +9,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from edge_client import protocol as P
-from edge_client.chunking import Reassembler, split
 
 
 def _assignment(**kw: Any) -> P.Assignment:
@@ -294,26 +290,3 @@ def test_reasons_are_distinct() -> None:
     classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
     assert len({c.reason for c in classes}) == len(classes) == 12
     assert all(issubclass(c, ValueError) for c in classes)
-
-
-# ---------------------------------------------------------------------------------------------------------- fuzz
-VALID = [bytes(P.encode(m)) for m in MESSAGES] + [bytes(f) for f in split(P.encode(_update()), 64)[:2]]
-
-
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.binary(max_size=512))
-def test_fuzz_random_bytes(data: bytes) -> None:
-    with contextlib.suppress(P.ProtocolError):
-        P.decode(data)
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.sampled_from(VALID), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), min_size=1, max_size=4))
-def test_fuzz_bit_flips(payload: bytes, flips: list[tuple[int, int]]) -> None:
-    buf = bytearray(payload)
-    for pos, bit in flips:
-        buf[pos % len(buf)] ^= 1 << bit
-    with contextlib.suppress(P.ProtocolError):
-        P.decode(bytes(buf))
-    with contextlib.suppress(P.ProtocolError):
-        Reassembler().feed("pi-01", bytes(buf))

@@ -1,0 +1,273 @@
+"""Decoder fuzzing: whatever a peer sends, `decode` and `Reassembler.feed` accept it or raise a specific error.
+
+Every input is either a valid message (a bit flip may land in a float, a string or an int and still give one; then
+it must survive a round trip: re-encoding it and decoding that gives the same frame again, with array bytes of the
+same length) or raises a :class:`ProtocolError` subclass whose ``reason`` is one of the specific codes — never the
+base class's generic "protocol", never a bare ValueError, KeyError, struct.error or msgpack exception. Inputs: valid
+frames of every message type truncated at every offset, bit-flipped, with header length fields set huge and header
+values of wrong types, random bytes, and chunk frames fed to a Reassembler in hostile orders. The deadline turns a
+pathologically slow input (a hang in the making) into a failure. Run with ``--hypothesis-show-statistics`` to see
+how many inputs ended in which reason.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from edge_client import protocol as P
+from edge_client.chunking import Reassembler, split
+
+EXAMPLES = 1000
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=timedelta(seconds=2),  # a decode takes microseconds; seconds mean something loops or allocates wildly
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+SPECIFIC = {c.reason for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)} - {"protocol"}
+HUGE = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]
+
+# ------------------------------------------------------------------------------------------- valid messages
+ids = st.text("abz019_.-", max_size=8).map(lambda s: "c" + s)  # CLIENT_ID_RE, cheaper to draw than from_regex
+text = st.text(max_size=8)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text
+json_like = scalars | st.lists(scalars, max_size=3) | st.dictionaries(text, scalars, max_size=3)
+maps = st.dictionaries(text, json_like, max_size=3)
+nonneg = st.integers(0, 2**31)
+vectors = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=8).map(
+    lambda v: np.array(v, dtype=np.float32)
+)
+extra_arrays = st.dictionaries(st.text(min_size=1, max_size=4), vectors, max_size=2)
+digests = st.binary(min_size=32, max_size=32).map(bytes.hex)
+
+hellos = st.builds(P.Hello, ids, nonneg, maps)
+assignments = st.builds(
+    P.Assignment,
+    round=nonneg,
+    model_version=nonneg,
+    local_steps=st.integers(1, 10**6),
+    lr=st.floats(1e-9, 10.0),
+    batch_size=st.integers(1, 4096),
+    deadline_s=st.floats(1e-3, 1e6),
+    algorithm=text,
+    model=maps,
+    weights=vectors,
+    alpha=st.none() | finite,
+    params=maps,
+    arrays=extra_arrays,
+    upload=st.booleans(),
+    seed=nonneg,
+)
+updates = st.builds(
+    P.Update,
+    round=nonneg,
+    model_version=nonneg,
+    client_id=ids,
+    num_samples=nonneg,
+    local_steps=nonneg,
+    compute_s=st.floats(0.0, 1e6),
+    cpu_s=st.floats(0.0, 1e6),
+    train_loss=st.floats(),  # NaN is allowed: a diverged client reports it
+    delta=vectors,
+    metrics=maps,
+    extras=maps,
+    arrays=extra_arrays,
+)
+presences = st.builds(P.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
+stops = st.builds(P.Stop, text)
+models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
+
+
+@st.composite
+def chunks(draw: st.DrawFn) -> P.Chunk:
+    """One frame of a chunked Update (split() makes them, so count, size and digest are consistent)."""
+    payload = P.encode(draw(updates))
+    frames = split(payload, draw(st.integers(1, max(1, len(payload) - 1))))
+    return P.decode(draw(st.sampled_from(frames)))  # type: ignore[return-value]
+
+
+messages = st.one_of(hellos, assignments, updates, presences, stops, models, chunks())
+frames = messages.map(lambda m: bytes(P.encode(m)))
+
+
+# ------------------------------------------------------------------------------------------------ the property
+def check(payload: bytes | bytearray) -> P.Message | P.Chunk | None:
+    """Decode ``payload``: a valid message survives a round trip, anything else is a specific ProtocolError."""
+    try:
+        msg = P.decode(payload)
+    except P.ProtocolError as exc:
+        assert type(exc) is not P.ProtocolError and exc.reason in SPECIFIC, repr(exc)
+        assert str(exc), "an error without a message"
+        event(f"rejected: {exc.reason}")
+        return None
+    event(f"accepted: {msg.TYPE}")
+    again = P.encode(msg)
+    assert bytes(P.encode(P.decode(again))) == bytes(again)  # what was accepted is a message encode stands by
+    # the header may shrink (msgpack float32 -> float64, non-minimal ints) but the raw array bytes are the same
+    assert len(again) - P.read_header(again)[1] == len(payload) - P.read_header(payload)[1]
+    return msg
+
+
+def check_rejected(payload: bytes | bytearray, reasons: set[str]) -> None:
+    """``payload`` must be refused with one of ``reasons``."""
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(payload)
+    assert info.value.reason in reasons, repr(info.value)
+    event(f"rejected: {info.value.reason}")
+
+
+def edited(payload: bytes, fn: Callable[[dict[str, Any]], Any]) -> bytes:
+    """Re-pack a valid frame's header after ``fn`` edits it, keeping the array bytes (bypasses encode's checks)."""
+    header, offset = P.read_header(payload)
+    header = copy.deepcopy(header)
+    fn(header)
+    return msgpack.packb(header, use_bin_type=True) + payload[offset:]
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_random_bytes(data: bytes) -> None:
+    check(data)
+
+
+@FUZZ
+@given(frames, st.data())
+def test_truncated_frames_are_rejected(payload: bytes, data: st.DataObject) -> None:
+    """A strict prefix never decodes: the header says how many array bytes follow. Cut anywhere, header or arrays."""
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    check_rejected(payload[:cut], {"malformed", "shape"})
+
+
+def test_every_truncation_of_each_message_type() -> None:
+    """Exhaustively: every prefix of one frame of each type (the random cuts above sample far more frames)."""
+    rng = np.random.default_rng(0)
+    vec = rng.standard_normal(8).astype(np.float32)
+    examples = [
+        P.Hello("pi-01", 600, {"machine": "aarch64"}),
+        P.Assignment(1, 0, 5, 0.1, 32, 30.0, "taco", {"name": "mlp"}, vec, 0.5, {"eta_g": 0.5}, {"c": vec}),
+        P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}),
+        P.Presence("pi-01", True),
+        P.Stop("done"),
+        P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),
+    ]
+    payloads = [bytes(P.encode(m)) for m in examples] + [bytes(f) for f in split(P.encode(examples[2]), 40)[:2]]
+    assert {P.decode(p).TYPE for p in payloads} == {m.TYPE for m in examples} | {"chunk"}
+    cuts = 0
+    for payload in payloads:
+        for cut in range(len(payload)):
+            with pytest.raises((P.MalformedMessage, P.ShapeMismatch)):
+                P.decode(payload[:cut])
+            cuts += 1
+    assert cuts > 1000
+
+
+@FUZZ
+@given(frames, st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 7)), min_size=1, max_size=8))
+def test_bit_flips(payload: bytes, flips: list[tuple[int, int]]) -> None:
+    buf = bytearray(payload)
+    for pos, bit in flips:
+        buf[pos % len(buf)] ^= 1 << bit
+    check(buf)
+
+
+def _set_huge(header: dict[str, Any], where: str, value: int) -> None:
+    """Put ``value`` into a length-like slot of the header: an array dimension or an integer field."""
+    if where == "dim" and header["a"]:
+        header["a"][-1][2] = [*header["a"][-1][2], value]  # an extra dimension makes a 1-D vector N-D: fine
+        header["a"][-1][2][0] = value
+    else:
+        ints = [k for k, v in header["f"].items() if isinstance(v, int) and not isinstance(v, bool)] or ["num_samples"]
+        header["f"][ints[value % len(ints)]] = value
+
+
+@FUZZ
+@given(frames, st.sampled_from(["dim", "field"]), st.sampled_from(HUGE) | st.integers(2**20, 2**64 - 1))
+def test_huge_length_fields_in_the_header(payload: bytes, where: str, value: int) -> None:
+    """Shapes, chunk sizes, counts and indices claiming gigabytes: rejected before anything is allocated."""
+    check(edited(payload, lambda h: _set_huge(h, where, value)))
+
+
+@FUZZ
+@given(frames, st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]), st.sampled_from(HUGE[:4]), st.data())
+def test_huge_msgpack_length_prefixes(payload: bytes, marker: bytes, length: int, data: st.DataObject) -> None:
+    """A str32/bin32/array32/map32 length prefix of up to 4 GiB spliced into the header: the parse is bounded."""
+    offset = P.read_header(payload)[1]
+    pos = data.draw(st.integers(0, offset))
+    prefix = marker + (length & 0xFFFFFFFF).to_bytes(4, "big")
+    check_rejected(payload[:pos] + prefix + payload[pos:], SPECIFIC)
+
+
+def _paths(header: dict[str, Any]) -> list[tuple[Any, Any]]:
+    """(container, key) of every value in the header: top level, each field, each array entry and its parts."""
+    out: list[tuple[Any, Any]] = [(header, k) for k in header]
+    out += [(header["f"], k) for k in header["f"]]
+    for entry in header["a"]:
+        out += [(entry, i) for i in range(3)]
+        out += [(entry[2], i) for i in range(len(entry[2]))]
+    return out
+
+
+@FUZZ
+@given(frames, st.data(), json_like | st.binary(max_size=8))
+def test_header_values_of_wrong_types(payload: bytes, data: st.DataObject, value: Any) -> None:
+    """Any header value replaced by any msgpack value (a string for a shape, a map for a version, bytes for an id)."""
+
+    def replace(header: dict[str, Any]) -> None:
+        container, key = data.draw(st.sampled_from(_paths(header)))
+        container[key] = value
+
+    check(edited(payload, replace))
+
+
+@FUZZ
+@given(
+    updates,
+    st.integers(8, 96),
+    st.lists(
+        st.tuples(st.sampled_from(["flip", "cut", "repeat", "drop", "swap"]), st.integers(0, 2**16), st.integers(0, 7)),
+        max_size=6,
+    ),
+)
+def test_hostile_chunk_streams(update: P.Update, chunk_size: int, ops: list[tuple[str, int, int]]) -> None:
+    """Chunk frames flipped, truncated, repeated, dropped and reordered: the Reassembler rejects each bad frame
+    specifically and delivers the message at most once, exactly as sent (sha256 over the whole frame)."""
+    original = bytes(P.encode(update))
+    stream = [bytes(f) for f in split(original, min(chunk_size, len(original) - 1))]
+    for op, n, bit in ops:
+        i = n % len(stream)
+        if op == "flip":
+            frame = bytearray(stream[i])
+            frame[n % len(frame)] ^= 1 << bit
+            stream[i] = bytes(frame)
+        elif op == "cut":
+            stream[i] = stream[i][: n % len(stream[i])]
+        elif op == "repeat":
+            stream.insert(n % (len(stream) + 1), stream[i])
+        elif op == "drop" and len(stream) > 1:
+            del stream[i]
+        elif op == "swap":
+            j = (n // 7) % len(stream)
+            stream[i], stream[j] = stream[j], stream[i]
+    receiver = Reassembler(max_message_bytes=1 << 20)
+    delivered = []
+    for frame in stream:
+        try:
+            msg = receiver.feed("pi-01", frame)
+        except P.ProtocolError as exc:
+            assert type(exc) is not P.ProtocolError and exc.reason in SPECIFIC, repr(exc)
+            event(f"rejected: {exc.reason}")
+            continue
+        if msg is not None:
+            delivered.append(bytes(P.encode(msg)))
+    assert delivered in ([], [original])
+    event(f"delivered: {len(delivered)}")
