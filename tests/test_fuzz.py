@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
 
-EXAMPLES = 1000
+EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of eight frames)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=timedelta(seconds=2),  # a decode takes microseconds; seconds mean something loops or allocates wildly
