@@ -76,7 +76,9 @@ def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -
     from rich.logging import RichHandler
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(out_dir / log_name, mode="a" if log_name == "bench.log" else "w")
+    # Appended: a server restarted on the same directory resumes its run (and a bench its runs), so the log of the
+    # interrupted part must stay.
+    file_handler = logging.FileHandler(out_dir / log_name, mode="a")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     # A bench's console is its progress bar and one line per run; warnings of its many runs stay in bench.log.
     quiet = logging.ERROR if log_name == "bench.log" else logging.WARNING

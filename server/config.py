@@ -2,10 +2,11 @@
 
 ```toml
 [run]        rounds, target_accuracy, stop_at_target, seed, out, job
-[clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, threads
+[clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
+             deadline_floor_s, threads
 [data]       dataset, partition
 [model]      name plus the model's keyword arguments (default: the data set's model)
-[train]      algorithm, local_steps, batch_size, lr
+[train]      algorithm, local_steps, batch_size, lr, max_update_norm
 [algorithm.<name>]   that algorithm's hyper-parameters
 [broker]     url, username, password, ca_file, chunk_size, devices
 ```
@@ -42,7 +43,12 @@ class ClientsSection:
     min_clients: int = 0  # clients to wait for before round 1 (0: all of `count`)
     fraction: float = 1.0  # C: fraction of available clients selected per round
     register_timeout_s: float = 300.0
-    round_deadline_s: float = 120.0
+    round_deadline_s: float = 120.0  # the longest a round waits for updates (round 1's deadline when derived)
+    # > 0: from round 2 on, the deadline is deadline_factor x the previous round's slowest measured compute time plus
+    # deadline_margin_s (transfer), never below deadline_floor_s nor above round_deadline_s; 0: always the fixed one
+    deadline_factor: float = 0.0
+    deadline_margin_s: float = 5.0
+    deadline_floor_s: float = 10.0
     threads: int = 1  # simulate: torch threads per client process
     freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
     attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
@@ -61,6 +67,9 @@ class TrainSection:
     local_steps: int = 50
     batch_size: int = 64
     lr: float = 0.1
+    # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
+    # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
+    max_update_norm: float = 1e4
 
 
 @dataclass
@@ -91,6 +100,7 @@ class RunConfig:
         return dict(self.algorithm.get(self.train.algorithm, {}))
 
     def validate(self) -> RunConfig:
+        c = self.clients
         checks = [
             ("run.rounds", self.run.rounds >= 1, "an integer >= 1"),
             ("run.target_accuracy", 0.0 < self.run.target_accuracy <= 1.0, "a fraction in (0, 1], e.g. 0.97"),
@@ -99,6 +109,14 @@ class RunConfig:
             ("clients.fraction", 0.0 < self.clients.fraction <= 1.0, "a fraction in (0, 1]"),
             ("clients.register_timeout_s", self.clients.register_timeout_s > 0, "seconds > 0"),
             ("clients.round_deadline_s", self.clients.round_deadline_s > 0, "seconds > 0"),
+            ("clients.deadline_factor", self.clients.deadline_factor >= 0, "a number >= 0 (0: fixed deadline)"),
+            ("clients.deadline_margin_s", self.clients.deadline_margin_s >= 0, "seconds >= 0"),
+            (
+                "clients.deadline_floor_s",
+                c.deadline_floor_s > 0 and (not c.deadline_factor or c.deadline_floor_s <= c.round_deadline_s),
+                f"seconds > 0, and <= clients.round_deadline_s ({c.round_deadline_s:g}) when "
+                "clients.deadline_factor is set",
+            ),
             ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
             ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
             ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
@@ -106,6 +124,7 @@ class RunConfig:
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
             ("train.batch_size", self.train.batch_size >= 1, "an integer >= 1"),
             ("train.lr", self.train.lr > 0, "a number > 0"),
+            ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
         ]
         for key, ok, expected in checks:

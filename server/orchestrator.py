@@ -3,11 +3,18 @@
 The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
 round; a client whose last will says it went offline is not waited for at all. Every update is checked against the
 round it was assigned for before it can reach the strategy: late, foreign, duplicated, mis-shaped or incomplete
-updates are rejected, logged and counted, and the round goes on.
+updates are rejected, logged and counted, and the round goes on; so are updates for a model version the round did
+not send and deltas whose norm is absurd (``train.max_update_norm``).
+
+The deadline is ``clients.round_deadline_s``, or derived from the previous round's slowest compute time
+(``clients.deadline_factor``); each round's is recorded in its metrics row. After every round the model and the
+strategy's state go to ``checkpoint.npz``; a server restarted with the same output directory and configuration
+resumes after the last completed round (a different configuration is refused, naming the key that differs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,13 +48,38 @@ from edge_client.protocol import (
 )
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
-from server.config import RunConfig
+from server.config import ConfigError, RunConfig
 from server.evaluation import Evaluator
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
+from server.strategies.base import pack_state, unpack_state
 
 log = logging.getLogger("edgefl.server")
+
+
+class UnknownModelVersion(OutOfRound):
+    """An update trained on a model version the round never sent."""
+
+    reason = "model_version"
+
+
+class AbsurdNorm(InvalidField):
+    """An update whose delta is far larger than any honest one (``train.max_update_norm``)."""
+
+    reason = "norm"
+
+
+#: Config keys that may change between a run and its resumption: where the broker is and how to log in.
+RESUMABLE_CHANGES = ("broker.", "run.out")
+
+
+def config_identity(config: RunConfig) -> dict[str, Any]:
+    """The configuration as flat ``section.key`` values, minus what may change on a restart."""
+    sections = {**dataclasses.asdict(config), "algorithm": {}}  # only the chosen algorithm's parameters matter
+    sections[f"algorithm.{config.train.algorithm}"] = config.algorithm_params()
+    flat = {f"{section}.{key}": value for section, values in sections.items() for key, value in values.items()}
+    return {k: v for k, v in flat.items() if not k.startswith(RESUMABLE_CHANGES)}
 
 
 class RoundObserver(Protocol):
@@ -84,6 +116,7 @@ class RoundState:
     received: dict[str, Update] = field(default_factory=dict)
     bytes_up: dict[str, int] = field(default_factory=dict)
     assigned_steps: dict[str, int] = field(default_factory=dict)
+    deadline_s: float = 0.0
 
 
 class Orchestrator:
@@ -178,7 +211,7 @@ class Orchestrator:
         if sender in state.received:
             raise DuplicateMessage(f"second update from {sender} for round {state.round}")
         if update.model_version != state.model_version:
-            raise OutOfRound(
+            raise UnknownModelVersion(
                 f"{sender} trained on model version {update.model_version}, round {state.round} sent version "
                 f"{state.model_version}"
             )
@@ -188,6 +221,11 @@ class Orchestrator:
             )
         if update.delta.size != self.num_params:
             raise ShapeMismatch(f"{sender}: delta has {update.delta.size} values, the model has {self.num_params}")
+        norm = float(np.linalg.norm(update.delta.astype(np.float64)))
+        if not norm <= self.config.train.max_update_norm:
+            raise AbsurdNorm(
+                f"{sender}: delta norm {norm:.4g} exceeds train.max_update_norm = {self.config.train.max_update_norm:g}"
+            )
         self.strategy.check_update(update)
         state.received[sender] = update
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
@@ -227,11 +265,21 @@ class Orchestrator:
         excluded = self.strategy.excluded()
         return [c for c in self.online() if c not in excluded]
 
-    def _assign(self, round_: int, version: int, weights: np.ndarray) -> tuple[RoundState, dict[str, Any]]:
+    def deadline(self, slowest_compute_s: float | None) -> float:
+        """This round's deadline: fixed, or factor x the last round's slowest compute time + margin, within bounds."""
+        c = self.config.clients
+        if not c.deadline_factor or not slowest_compute_s:  # nothing measured yet
+            return c.round_deadline_s
+        derived = c.deadline_factor * slowest_compute_s + c.deadline_margin_s
+        return min(c.round_deadline_s, max(c.deadline_floor_s, derived))
+
+    def _assign(
+        self, round_: int, version: int, weights: np.ndarray, deadline_s: float
+    ) -> tuple[RoundState, dict[str, Any]]:
         available = self.available()
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
-        state = RoundState(round_, version, set(selected))
+        state = RoundState(round_, version, set(selected), deadline_s=deadline_s)
         told: dict[str, Any] = {}
         for cid in [*selected, *train_only]:
             instr = self.strategy.instructions(round_, cid)
@@ -243,7 +291,7 @@ class Orchestrator:
                 local_steps=instr.local_steps,
                 lr=instr.lr,
                 batch_size=instr.batch_size,
-                deadline_s=self.config.clients.round_deadline_s,
+                deadline_s=deadline_s,
                 algorithm=self.strategy.name,
                 model=self.model_spec,
                 weights=weights if instr.weights is None else instr.weights,
@@ -258,7 +306,7 @@ class Orchestrator:
         return state, told
 
     def _collect(self, state: RoundState) -> None:
-        deadline = time.monotonic() + self.config.clients.round_deadline_s
+        deadline = time.monotonic() + state.deadline_s
         while True:
             waiting = [c for c in state.selected if c not in state.received and self.clients[c].online]
             remaining = deadline - time.monotonic()
@@ -266,20 +314,19 @@ class Orchestrator:
                 break
             self._pump(min(remaining, 1.0))
         for cid in sorted(state.selected - set(state.received)):
-            why = "went offline" if not self.clients[cid].online else "missed the deadline"
+            why = "went offline" if not self.clients[cid].online else f"missed the {state.deadline_s:.1f} s deadline"
             log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
 
     def run(self) -> dict[str, Any]:
         """Train for the configured rounds (or until the target, if asked) and write the run's outputs."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        metrics = MetricsLog(self.out_dir / "metrics.jsonl")
-        metrics.path.write_text("")
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.num_params = weights.size
         self.strategy.setup(
             ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
         )
+        weights, metrics = self._resume(weights)
         self.link.start()
         self.link.publish(
             self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
@@ -311,16 +358,69 @@ class Orchestrator:
             plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
         return summary
 
+    def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, MetricsLog]:
+        """The starting model and metrics log: fresh, or restored from an unfinished run's checkpoint in ``out_dir``.
+
+        Called after ``strategy.setup`` (which initialises state that the checkpoint then overwrites). A finished
+        run's directory is started afresh, as before checkpoints existed; an unfinished one with a different
+        configuration is refused rather than mixed into.
+        """
+        path = self.out_dir / "checkpoint.npz"
+        metrics = MetricsLog(self.out_dir / "metrics.jsonl")
+        self.version, self.last_round, self.slowest_compute_s = 0, 0, None
+        if not path.exists() or self._checkpoint_finished(path):
+            metrics.path.write_text("")
+            return weights, metrics
+        with np.load(path) as saved:
+            self._check_resumable(path, saved)
+            weights = saved["weights"].astype(np.float32)
+            self.version, self.last_round = int(saved["model_version"]), int(saved["round"])
+            unpack_state(self.strategy, saved)
+        metrics.resume(self.last_round)
+        if metrics.rows:
+            self.slowest_compute_s = metrics.rows[-1]["slowest_compute_s"]
+        log.warning(
+            "resuming from round %d (checkpoint %s, model version %d): rounds %d-%d to go",
+            self.last_round,
+            path,
+            self.version,
+            self.last_round + 1,
+            self.config.run.rounds,
+        )
+        return weights, metrics
+
+    @staticmethod
+    def _checkpoint_finished(path: Path) -> bool:
+        with np.load(path) as saved:
+            return "finished" not in saved.files or bool(saved["finished"])  # no marker: written before resumption
+
+    def _check_resumable(self, path: Path, saved: Any) -> None:
+        """Refuse to continue a run made with another configuration or model: say which key differs and what to do."""
+        fix = f"rerun with the original configuration, or choose another run.out (--out) / delete {path} to start anew"
+        before = json.loads(str(saved["config"]))
+        now = config_identity(self.config)
+        for key in sorted(set(before) | set(now)):
+            if before.get(key) != now.get(key):
+                raise ConfigError(
+                    f"{path} is an unfinished run with {key} = {before.get(key)!r}; this configuration has "
+                    f"{now.get(key)!r}: {fix}"
+                )
+        if json.loads(str(saved["model_spec"])) != self.model_spec:
+            raise ConfigError(f"{path} holds the model {saved['model_spec']!s}, not {self.model_spec}: {fix}")
+        if saved["weights"].size != self.num_params:
+            raise ConfigError(f"{path} holds {saved['weights'].size} parameters, this model {self.num_params}: {fix}")
+
     def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
-        start = time.monotonic()
-        version = 0
-        best = -1.0
-        for round_ in range(1, self.config.run.rounds + 1):
+        start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
+        version = self.version
+        best = max((r["accuracy"] for r in metrics.rows), default=-1.0)
+        rejected_before = Counter(self.link.rejections)  # what arrives between rounds counts in the next one
+        for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
             t0 = time.monotonic()
-            rejected_before = Counter(self.link.rejections)
-            self.current, told = self._assign(round_, version, weights)
+            deadline_s = self.deadline(self.slowest_compute_s)
+            self.current, told = self._assign(round_, version, weights, deadline_s)
             self._collect(self.current)
             state, self.current = self.current, None
             updates = [state.received[c] for c in sorted(state.received)]
@@ -346,16 +446,19 @@ class Orchestrator:
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
                 "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
+                "deadline_s": deadline_s,
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
                 "instructions": told,
-                "rejected": dict(self.link.rejections - rejected_before),
+                "rejected": dict(self.link.rejections - rejected_before),  # by reason
                 "excluded": sorted(self.strategy.excluded()),
                 "algorithm": self.strategy.round_metrics(),
             }
             for name, (acc, lss) in outputs.items():
                 row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
+            rejected_before = Counter(self.link.rejections)
             metrics.append(row)
             self._checkpoint(weights, round_, version)
+            self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
             if accuracy > best:  # model.onnx is always the best global model so far
                 best = accuracy
                 exporter.submit(weights, round_)
@@ -363,6 +466,7 @@ class Orchestrator:
             if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
                 log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)
                 break
+        self._mark_finished()
         return weights
 
     @staticmethod
@@ -378,8 +482,8 @@ class Orchestrator:
             "device": u.metrics,
         }
 
-    def _checkpoint(self, weights: np.ndarray, round_: int, version: int) -> None:
-        """The last completed round's model and algorithm state, replaced atomically."""
+    def _checkpoint(self, weights: np.ndarray, round_: int, version: int, finished: bool = False) -> None:
+        """The last completed round's model and algorithm state (vectors as npz arrays), replaced atomically."""
         tmp = self.out_dir / "checkpoint.tmp.npz"
         np.savez(
             tmp,
@@ -387,9 +491,22 @@ class Orchestrator:
             round=round_,
             model_version=version,
             model_spec=json.dumps(self.model_spec),
-            strategy=json.dumps(self.strategy.state_dict()),
+            config=json.dumps(config_identity(self.config)),
+            finished=finished,
+            **pack_state(self.strategy),
         )
         os.replace(tmp, self.out_dir / "checkpoint.npz")
+
+    def _mark_finished(self) -> None:
+        """Flag the checkpoint so that the next run in this directory starts afresh instead of resuming."""
+        path = self.out_dir / "checkpoint.npz"
+        if not path.exists():
+            return
+        with np.load(path) as saved:
+            entries = {k: saved[k] for k in saved.files}
+        tmp = self.out_dir / "checkpoint.tmp.npz"
+        np.savez(tmp, **{**entries, "finished": True})
+        os.replace(tmp, path)
 
     def _publish_model(self, path: Path, round_: int) -> None:
         """Retain the newest exported model on the job's model topic, where devices fetch it."""

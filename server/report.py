@@ -19,6 +19,13 @@ class MetricsLog:
         self.path = path
         self.rows: list[dict[str, Any]] = []
 
+    def resume(self, last_round: int) -> None:
+        """Keep the rows of rounds up to the checkpointed ``last_round`` (a row written after it has no checkpoint and
+        is re-run) and continue appending after them."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.rows = [row for row in map(json.loads, filter(None, lines)) if row["round"] <= last_round]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.path.open("a") as fh:

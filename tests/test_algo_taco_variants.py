@@ -6,8 +6,6 @@ default), with ``alpha_i`` computed independently here from the round's uploads.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -85,7 +83,7 @@ def test_fedprox_taco_sends_zeta_times_one_minus_alpha() -> None:
     assert s.zeta_for("c3") == pytest.approx(0.2 * (1 - alphas[3]), rel=1e-6)
 
     restored = FedProxTaco(SETTINGS, {"zeta": 0.2})
-    restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    restored.load_state_dict(s.state_dict())
     assert all(restored.zeta_for(c) == s.zeta_for(c) for c in ("c0", "c1", "c2", "c3", "new"))
 
 
@@ -114,7 +112,7 @@ def test_scaffold_taco_sends_one_minus_alpha() -> None:
     assert half.alpha_for("c2") == pytest.approx(0.5 * (1 - alphas[2]), rel=1e-6)
 
     restored = ScaffoldTaco(SETTINGS)
-    restored.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    restored.load_state_dict(s.state_dict())
     assert all(restored.alpha_for(c) == s.alpha_for(c) for c in ("c0", "c3", "new"))
     np.testing.assert_array_equal(restored.c, s.c)
 

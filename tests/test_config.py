@@ -231,3 +231,22 @@ def test_min_clients_zero_means_clients_count() -> None:
     assert from_dict({"clients": {"count": 6}}).min_clients == 6
     assert from_dict({"clients": {"count": 6, "min_clients": 0}}).min_clients == 6
     assert from_dict({"clients": {"count": 6, "min_clients": 4}}).min_clients == 4
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"clients": {"deadline_factor": -1.0}}, "clients.deadline_factor must be a number >= 0"),
+        ({"clients": {"deadline_factor": 2.0, "deadline_floor_s": 200.0}}, r"clients.deadline_floor_s must be .*<= "),
+        ({"clients": {"deadline_margin_s": -1.0}}, "clients.deadline_margin_s must be seconds >= 0"),
+        ({"train": {"max_update_norm": 0.0}}, r"train.max_update_norm must be a number > 0 \(inf disables"),
+    ],
+)
+def test_fault_settings_are_validated_with_the_key_and_the_fix(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        from_dict(values)
+
+
+def test_a_floor_above_the_fixed_deadline_is_fine_without_a_derived_deadline() -> None:
+    config = from_dict({"clients": {"round_deadline_s": 4.0}})  # the floor (10 s) only bounds derived deadlines
+    assert config.clients.deadline_factor == 0.0 and config.train.max_update_norm == 1e4

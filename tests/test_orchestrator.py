@@ -126,9 +126,9 @@ def test_second_update_in_a_round_is_a_duplicate(orch: Orchestrator) -> None:
     assert orch.current.received == {"c0": first}  # the first one stands
 
 
-def test_model_version_mismatch_is_out_of_round(orch: Orchestrator) -> None:
+def test_model_version_never_sent_is_rejected_by_its_own_reason(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c0", model_version=0))
-    assert orch.link.rejections == {"out_of_round": 1}
+    assert orch.link.rejections == {"model_version": 1}
     assert orch.current.received == {}
 
 

@@ -8,6 +8,7 @@ without a broker. Sign convention (ALGORITHMS.md C1): ``update.delta = w_sent - 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from abc import ABC, abstractmethod
@@ -160,8 +161,33 @@ class Strategy(ABC):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Algorithm state to checkpoint beside the model."""
+        """Algorithm state to checkpoint beside the model: numpy arrays (stored as npz arrays) and JSON values."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (stateless strategies keep nothing)
         """Restore what ``state_dict`` returned."""
+
+
+STATE_PREFIX = "strategy."
+
+
+def pack_state(strategy: Strategy) -> dict[str, np.ndarray]:
+    """``strategy``'s state as npz entries: each array as itself, the rest (and the selection RNG) as one JSON string.
+
+    Vectors stay binary (a d-float list in JSON is ~20 bytes a value and slow to parse); small per-client dicts are
+    JSON, which round-trips Python floats exactly.
+    """
+    state = strategy.state_dict()
+    arrays = {STATE_PREFIX + k: v for k, v in state.items() if isinstance(v, np.ndarray)}
+    rest = {k: v for k, v in state.items() if not isinstance(v, np.ndarray)}
+    meta = {"state": rest, "arrays": sorted(k for k, v in state.items() if isinstance(v, np.ndarray)),
+            "rng": strategy.rng.bit_generator.state}  # fmt: skip
+    return {**arrays, "strategy": np.array(json.dumps(meta))}
+
+
+def unpack_state(strategy: Strategy, saved: Any) -> None:
+    """Restore what ``pack_state`` wrote into ``saved`` (an open npz file or a dict of arrays) after ``setup``."""
+    meta = json.loads(str(saved["strategy"]))
+    state = {**meta["state"], **{k: np.array(saved[STATE_PREFIX + k]) for k in meta["arrays"]}}
+    strategy.load_state_dict(state)
+    strategy.rng.bit_generator.state = meta["rng"]

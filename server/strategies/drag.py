@@ -95,7 +95,7 @@ class Drag(Strategy):
         return {"lambda": dict(self._lambdas)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"r": None if self.r is None else self.r.tolist()}
+        return {"r": None if self.r is None else self.r.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         r = state.get("r")

@@ -30,7 +30,7 @@ from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class FedACG(Strategy):
-    """Server state: ``m`` and the look-ahead model (both kept as lists in ``state_dict``)."""
+    """Server state: ``m`` and the look-ahead model (both checkpointed as arrays)."""
 
     name = "fedacg"
     description = "server momentum with a look-ahead model that clients start from and stay close to (prox beta)"
@@ -86,8 +86,8 @@ class FedACG(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "m": None if self.m is None else self.m.tolist(),
-            "lookahead": None if self.lookahead is None else self.lookahead.tolist(),
+            "m": None if self.m is None else self.m.copy(),
+            "lookahead": None if self.lookahead is None else self.lookahead.copy(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

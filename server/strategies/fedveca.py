@@ -179,14 +179,14 @@ class FedVeca(Strategy):
         return dict(self._metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; ``prev_grad`` (grad F(w_{k-1}), d floats) is the one vector kept, as a list."""
+        """Scalars and dicts (JSON in the checkpoint) and ``prev_grad`` (grad F(w_{k-1}), d floats: an npz array)."""
         return {
             "k": self.k,
             "tau": dict(self.tau),
             "L": self.L,
             "L_pending": self.L_pending,
             "P": self.P,
-            "prev_grad": None if self.prev_grad is None else self.prev_grad.tolist(),
+            "prev_grad": None if self.prev_grad is None else self.prev_grad.copy(),
             "step_norm": self.step_norm,
         }
 

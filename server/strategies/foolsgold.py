@@ -81,7 +81,7 @@ class FoolsGold(Strategy):
         return dict(self._last)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prev_global": None if self.prev_global is None else self.prev_global.tolist()}
+        return {"prev_global": None if self.prev_global is None else self.prev_global.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         prev = state.get("prev_global")

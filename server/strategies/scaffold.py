@@ -21,7 +21,7 @@ from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class Scaffold(Strategy):
-    """Server state: ``c`` (kept as a list in ``state_dict``). ``alpha_for`` is the per-client coefficient hook."""
+    """Server state: ``c`` (checkpointed as an array). ``alpha_for`` is the per-client coefficient hook."""
 
     name = "scaffold"
     description = "control variates: clients step along g + alpha (c - c_i); the server averages deltas and updates c"
@@ -71,7 +71,7 @@ class Scaffold(Strategy):
         return {} if self.c is None else {"c_norm": float(np.linalg.norm(self.c))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"c": None if self.c is None else self.c.tolist()}
+        return {"c": None if self.c is None else self.c.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         c = state.get("c")

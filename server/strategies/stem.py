@@ -72,8 +72,8 @@ class Stem(Strategy):
         return {"alpha": self.params["alpha"]}
 
     def state_dict(self) -> dict[str, Any]:
-        """``v_bar`` as a list of floats (d numbers in the JSON checkpoint, only with ``init = "server_avg"``)."""
-        return {"v_bar": None if self.v_bar is None else self.v_bar.tolist()}
+        """``v_bar`` (an npz array in the checkpoint; only with ``init = "server_avg"``)."""
+        return {"v_bar": None if self.v_bar is None else self.v_bar.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         v_bar = state.get("v_bar")

@@ -236,14 +236,14 @@ class Taco(Strategy):
         return {"alpha": dict(self.alpha), "strikes": dict(self.strikes), "expelled": list(self.expelled)}
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable; ``last_step`` (w_{t-1} - w_t, d floats) is stored as a list."""
+        """Per-client dicts (JSON in the checkpoint) and ``last_step`` (w_{t-1} - w_t, d floats: an npz array)."""
         return {
             "alpha": dict(self.alpha),
             "strikes": dict(self.strikes),
             "expelled": list(self.expelled),
             "version": self.version,
             "last_sent": dict(self.last_sent),
-            "last_step": None if self.last_step is None else self.last_step.tolist(),
+            "last_step": None if self.last_step is None else self.last_step.copy(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

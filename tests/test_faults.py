@@ -1,0 +1,278 @@
+"""Faults (issue 7): crashes, stragglers, a broker or server killed mid-run, client restarts and absurd updates.
+
+The in-process part checks that every strategy's state survives the checkpoint exactly; the rest runs real
+`edge-client` processes (and, for the server restart, a real `edge-server` process) against a real mosquitto.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import Hooks, make_config, make_update
+
+from edge_client.data import ArrayDataset
+from edge_client.models import build_model, get_flat
+from edge_client.protocol import Assignment, Hello, Presence, encode
+from edge_client.topics import Topics
+from edge_client.transport import LinkConfig, MqttLink
+from server.config import ConfigError
+from server.orchestrator import Orchestrator
+from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
+from server.strategies.base import Instructions, pack_state, unpack_state
+
+SPEC = {"name": "mlp", "in_features": 4, "num_classes": 3, "hidden": [5]}
+CLIENTS = ["a", "b", "c"]
+PARAMS: dict[str, dict[str, Any]] = {"drag-br": {"root_size": 12}, "taco": {"lambda_expel": 1, "gamma": 0.5}}
+
+
+# ------------------------------------------------------------------------------------ checkpointed strategy state
+def fresh(name: str) -> Strategy:
+    strategy = make_strategy(name, TrainSettings(5, 0.1, 8, fraction=0.67), PARAMS.get(name), seed=3, rounds=6)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(5)
+    root = ArrayDataset(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, size=12))
+    n = get_flat(build_model(SPEC)).size
+    strategy.setup(ServerContext(dict(SPEC), n, dict.fromkeys(CLIENTS, 10), root, seed=3))
+    return strategy
+
+
+def play_round(strategy: Strategy, round_: int, weights: np.ndarray, seed: int) -> tuple[np.ndarray, list[Any]]:
+    """One round as the orchestrator drives it, with deterministic hand-made updates; what was decided on the way."""
+    rng = np.random.default_rng(seed)
+    selected = strategy.select(round_, CLIENTS)
+    told = [selected, strategy.train_only(round_, CLIENTS, selected)]
+    told += [strategy.instructions(round_, cid) for cid in selected]
+    n = weights.size
+    updates = [
+        make_update(
+            cid,
+            rng.normal(scale=0.1, size=n),
+            round=round_,
+            num_samples=10 + i,
+            extras={"beta": 0.5 + i, "delta": 0.2 + i},
+            arrays={k: rng.normal(size=n).astype(np.float32) for k in ("delta_c", "v", "grad", "G")},
+        )
+        for i, cid in enumerate(selected)
+    ]
+    new = strategy.aggregate(round_, weights, updates)
+    told += [strategy.excluded(), strategy.round_metrics(), strategy.outputs(new)]
+    return new, told
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Deep equality where arrays (and Instructions holding them) must match bit for bit."""
+    if isinstance(a, Instructions):
+        assert_same(vars(a), vars(b))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert a == b or (a != a and b != b)  # NaN == NaN for this purpose
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_continues_identically_after_a_checkpoint(name: str, tmp_path: Path) -> None:
+    """Two rounds, checkpoint through npz, restore into a fresh strategy: round 3 decides and aggregates the same."""
+    original = fresh(name)
+    weights = get_flat(build_model(SPEC))
+    for round_ in (1, 2):
+        weights, _ = play_round(original, round_, weights, seed=round_)
+    np.savez(tmp_path / "ck.npz", **pack_state(original))
+    restored = fresh(name)
+    with np.load(tmp_path / "ck.npz") as saved:
+        assert not any(isinstance(v, list) and len(v) == weights.size for v in json.loads(str(saved["strategy"])))
+        unpack_state(restored, saved)
+    assert_same(restored.state_dict(), original.state_dict())
+    assert_same(play_round(restored, 3, weights, seed=3), play_round(original, 3, weights, seed=3))
+
+
+# ------------------------------------------------------------------------------------------- real processes
+def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``condition()``'s first truthy value, polled until ``timeout``; fails naming ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)  # poll interval, not a synchronisation delay
+    return value
+
+
+def restart_client(proc: subprocess.Popen, password: str, log: Path) -> subprocess.Popen:
+    """The same `edge-client run` command (same id, data and --state-dir) as a new process."""
+    env = {**os.environ, "EDGEFL_PASSWORD": password, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as fh:
+        return subprocess.Popen(proc.args, stdout=fh, stderr=subprocess.STDOUT, env=env)
+
+
+def reported(caplog: pytest.LogCaptureFixture, round_: int, cid: str) -> int:
+    """How many updates of ``cid`` the server accepted for ``round_`` (one log line per accepted update)."""
+    return sum(r.getMessage().startswith(f"round {round_}: {cid} reported") for r in caplog.records)
+
+
+@pytest.mark.integration
+def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_discarded(
+    federation, broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SCAFFOLD, derived deadlines. After round 1 client-01 is SIGKILLed and client-02 SIGSTOPped; after round 2
+    (closed by its deadline) client-02 is SIGCONTed, so its update for round 2 arrives late, and client-01 is
+    restarted with the same id and state dir."""
+    caplog.set_level("INFO", logger="edgefl.server")
+    orch, procs = federation(
+        "rejoin", clients=3, rounds=4, train={"algorithm": "scaffold"},
+        round_deadline_s=60.0, deadline_factor=2.0, deadline_margin_s=1.0, deadline_floor_s=4.0,
+    )  # fmt: skip
+    state_file = orch.out_dir / "clients" / "client-01.state" / "rejoin" / "scaffold.npz"
+    saved: dict[str, np.ndarray] = {}
+    restarted: dict[str, subprocess.Popen] = {}
+
+    def kill_and_freeze() -> None:
+        with np.load(state_file) as f:
+            saved["c_i"] = f["c_i"]
+        procs["client-01"].kill()
+        procs["client-01"].wait()
+        os.kill(procs["client-02"].pid, signal.SIGSTOP)
+
+    def thaw_restart_and_wait_for_the_rejoin() -> None:
+        os.kill(procs["client-02"].pid, signal.SIGCONT)
+        log = orch.out_dir / "clients" / "client-01.restarted.log"
+        restarted["client-01"] = restart_client(procs["client-01"], broker.devices["client-01"].password, log)
+        orch.wait_for_clients(3)  # the restarted client-01 said hello again
+
+    hooks = Hooks({1: kill_and_freeze, 2: thaw_restart_and_wait_for_the_rejoin})
+    orch.observer = hooks
+    try:
+        summary = orch.run()
+        assert restarted["client-01"].wait(timeout=30) == 0
+    finally:
+        for proc in restarted.values():
+            proc.kill() if proc.poll() is None else None
+    rows = hooks.rows
+    assert summary["rounds"] == 4
+    # deadlines: round 1 the fixed one; then 2 x the previous round's slowest compute + 1 s, at least 4 s
+    assert rows[0]["deadline_s"] == 60.0
+    for prev, row in itertools.pairwise(rows):
+        assert row["deadline_s"] == pytest.approx(max(4.0, 2.0 * prev["slowest_compute_s"] + 1.0))
+    # round 2 closed at its deadline without the killed client and the frozen one
+    assert rows[1]["missing"] == ["client-01", "client-02"] and sorted(rows[1]["clients"]) == ["client-00"]
+    # the late update for round 2 was discarded, logged and counted, never aggregated into round 3
+    late = [r.getMessage() for r in caplog.records if "for round 2 arrived during" in r.getMessage()]
+    # ... and so was the one client-01 trained after its restart on round 2's assignment, kept in its MQTT session
+    assert sorted(m.split("update from ")[1].split()[0] for m in late) == ["client-01", "client-02"], late
+    assert rows[2]["rejected"] == {"out_of_round": 2}
+    assert reported(caplog, 2, "client-02") == 0 and reported(caplog, 3, "client-02") == 1
+    # the restarted client-01 restored its c_i, was selected again and its updates on the current model accepted
+    log = (orch.out_dir / "clients" / "client-01.restarted.log").read_text()
+    assert f"restored scaffold state from {state_file}" in log
+    assert np.any(saved["c_i"])
+    assert "client-01" in rows[2]["clients"] and "client-01" in rows[3]["clients"]
+    with np.load(state_file) as f:
+        assert not np.array_equal(f["c_i"], saved["c_i"])  # it kept training from the restored c_i
+
+
+@pytest.mark.integration
+def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation, broker) -> None:
+    """A device (c9, its own login) answers every assignment with four bad updates, then a good one."""
+    orch, _ = federation("absurd", clients=2, rounds=3)
+    topics = Topics("absurd")
+    login = LinkConfig(broker.url, "c9", broker.devices["c9"].password)
+    device = MqttLink(login, "fake-c9", [topics.down("c9"), topics.server]).start()
+    answered: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            msg = (device.receive(0.2) or (None, None))[1]
+            if isinstance(msg, Presence) and msg.online:  # the server is up: register
+                device.publish(topics.up("c9"), encode(Hello(client_id="c9", num_samples=10)))
+            elif isinstance(msg, Assignment):
+                n, ok = msg.weights.size, {"round": msg.round, "model_version": msg.model_version}
+                for update in (
+                    make_update("c9", np.full(n, 1e6), **ok),  # norm
+                    make_update("c9", np.full(n, np.nan), **ok),  # non_finite
+                    make_update("c9", np.zeros(n), round=msg.round, model_version=msg.model_version + 7),
+                    make_update("c9", np.zeros(n + 1), **ok),  # shape
+                    make_update("c9", np.full(n, 1e-3), **ok),  # the good one, last
+                ):
+                    device.publish(topics.up("c9"), encode(update))
+                answered.append(msg.round)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        summary = orch.run()
+    finally:
+        stop.set()
+        thread.join()
+        device.stop()
+    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == 3 and answered
+    bad = {"norm": 1, "non_finite": 1, "model_version": 1, "shape": 1}
+    for row in rows:
+        if row["round"] in answered:
+            assert row["rejected"] == bad and "c9" in row["clients"], row
+        assert "client-00" in row["clients"] or "client-01" in row["clients"]
+    assert summary["rejected"] == {k: v * len(answered) for k, v in bad.items()}
+
+
+@pytest.mark.integration
+def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, tmp_path: Path) -> None:
+    """`edge-server run` (TACO: alphas and strikes in the checkpoint) SIGKILLed after round 2, restarted with the same
+    output directory; the clients stay up and re-register when the server's presence comes back."""
+    job, rounds = "resume", 5
+    orch, _ = federation(job, clients=3, rounds=rounds, train={"algorithm": "taco"})
+    out = orch.out_dir
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        f'[run]\nrounds = {rounds}\nout = "{out}"\njob = "{job}"\ntarget_accuracy = 0.5\n'
+        '[clients]\ncount = 3\nregister_timeout_s = 60.0\n[data]\ndataset = "digits"\n'
+        '[train]\nalgorithm = "taco"\nlocal_steps = 20\nbatch_size = 32\nlr = 0.1\n'
+        f'[broker]\nurl = "{broker.url}"\nusername = "{broker.server.username}"\n'
+    )
+    cmd = [sys.executable, "-m", "server.cli", "run", "--config", str(toml)]
+    env = {**os.environ, "EDGEFL_PASSWORD": broker.server.password}
+    metrics = out / "metrics.jsonl"
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        two_rounds = lambda: first.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= 2)  # noqa: E731
+        poll(two_rounds, 120, "two rounds")
+        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        first.kill()
+        first.wait()
+    with np.load(out / "checkpoint.npz") as saved:
+        k = int(saved["round"])
+        alphas = json.loads(str(saved["strategy"]))["state"]["alpha"]
+    assert 2 <= k < rounds and alphas
+    # the same directory with another configuration is refused, naming the key
+    with pytest.raises(ConfigError, match=r"train\.lr = 0\.1; this configuration has 0\.2"):
+        other = make_config(tmp_path, job, 3, rounds, train={"algorithm": "taco", "lr": 0.2})
+        Orchestrator(other, orch.link.config, orch.evaluator, orch.model_spec, out).run()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming from round {k}" in (out / "server.log").read_text()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(1, rounds + 1))
+    assert all(r["clients_reported"] == 3 for r in rows[k:])  # every client came back after the restart
+    assert json.loads((out / "summary.json").read_text())["rounds"] == rounds
+    with np.load(out / "checkpoint.npz") as saved:
+        assert bool(saved["finished"]) and int(saved["round"]) == rounds
