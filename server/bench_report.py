@@ -86,8 +86,8 @@ def time_table(records: list[dict[str, Any]], target: float) -> Table:
         row = [algo]
         for col in columns:
             runs = cells.get((algo, col), [])
-            row.append(_reached([r["summary"]["time_to_target_s"] for r in runs], "{:.1f}") if runs else "-")
-            row.append(_reached([r["summary"]["client_compute_to_target_s"] for r in runs], "{:.1f}") if runs else "-")
+            row.append(_reached([r["summary"]["time_to_target_s"] for r in runs], "{:.3g}") if runs else "-")
+            row.append(_reached([r["summary"]["client_compute_to_target_s"] for r in runs], "{:.3g}") if runs else "-")
         rows.append(row)
     return header, rows
 

@@ -59,7 +59,7 @@ def test_time_and_compute_tables() -> None:
     records = [_record("fedavg", 0, 0.7, 20), _record("stem", 0, 0.7, 10)]
     records[1]["curve"][0]["compute_s"] = 3.0  # 1.5x FedAvg's compute for the same 100 local updates
     _, rows = time_table(records, 0.7)
-    assert rows == [["fedavg", "200.0", "80.0"], ["stem", "100.0", "40.0"]]
+    assert rows == [["fedavg", "200", "80"], ["stem", "100", "40"]]
     _, rows = compute_table(records)
     assert rows == [["fedavg", "2.000s (+0.00%)", "100"], ["stem", "3.000s (+50.00%)", "100"]]
 
