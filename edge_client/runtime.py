@@ -62,6 +62,7 @@ class EdgeClient:
         self.state_dir = state_dir
         self.behaviour = Behaviour.parse(behaviour, self.client_id)
         self.rounds_done = 0
+        self.served_round = 0  # the newest round this process trained for: older assignments are stale
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
         self._sampler: BatchSampler | None = None
@@ -113,8 +114,11 @@ class EdgeClient:
         if isinstance(msg, Stop):
             log.info("server says stop: %s", msg.reason)
             return False
-        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-            self._say_hello()  # the server (re)started: register again
+        if isinstance(msg, Presence) and msg.role == "server":
+            if msg.online:
+                self._say_hello()  # the server (re)started: register again
+            else:  # whoever comes next may be a new run that starts again at round 1
+                self.served_round = 0
         elif isinstance(msg, Assignment):
             self._serve(msg)
         return True
@@ -150,6 +154,11 @@ class EdgeClient:
         os.replace(tmp, path)
 
     def _serve(self, assignment: Assignment) -> None:
+        if assignment.round < self.served_round:  # e.g. replayed from the persistent session after a broker restart
+            log.warning(
+                "round %d: skipping a stale assignment (round %d already served)", assignment.round, self.served_round
+            )
+            return
         try:
             model = self._model_for(assignment.model)
             algorithm = self._algorithm_for(assignment.algorithm)
@@ -164,6 +173,7 @@ class EdgeClient:
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
             self._sampler_key = (assignment.batch_size, assignment.seed)
 
+        self.served_round = assignment.round
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         before = device.snapshot()
         if self.behaviour.trains:

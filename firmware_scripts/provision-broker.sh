@@ -190,7 +190,7 @@ cmd_init() {
         echo "max_queued_messages 10000"
         echo "persistence true"
         echo "persistence_location $dir/data/"
-        echo "autosave_interval 30"
+        echo "autosave_interval 5"
         echo "log_dest file $dir/mosquitto.log"
         echo "log_timestamp_format %Y-%m-%dT%H:%M:%S"
         echo "connection_messages true"

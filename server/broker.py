@@ -93,7 +93,10 @@ class BrokerSettings:
     devices: list[str] = field(default_factory=list)  # client ids to create credentials for
     allow_anonymous: bool = False
     persistence: bool = True
-    autosave_interval: int = 30  # seconds between persistence snapshots (what survives a SIGKILL)
+    # Seconds between persistence snapshots: a SIGKILL loses what changed since the last one. Not mosquitto's 30: a
+    # broker killed in its first half minute then lost every session (tests/test_faults.py, broker SIGKILL test).
+    # A snapshot holds the sessions, retained messages (the model) and messages in flight: a few MB at most.
+    autosave_interval: int = 5
     # PEM server certificate and key (e.g. server.crt / server.key from firmware_scripts/provision-broker.sh init):
     # the listener then speaks TLS (mqtts://). Required for any host that is not a loopback address.
     certfile: str | None = None

@@ -36,16 +36,21 @@ def dataset(seed: int = 7, n: int = 12) -> ArrayDataset:
     return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
 
 
-def assignment(weights: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0) -> Assignment:
+def assignment(
+    weights: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, round_: int = 1, **params: int
+) -> Assignment:
+    """``params``: e.g. ``last_aggregated`` as the server sends it (absent: the client commits c_i at once)."""
     return Assignment(
-        1, 0, steps, LR, BATCH, 60.0, "scaffold", {}, weights, params={"alpha": alpha}, arrays={"c": c.copy()}
-    )
+        round_, 0, steps, LR, BATCH, 60.0, "scaffold", {}, weights, params={"alpha": alpha, **params},
+        arrays={"c": c.copy()},
+    )  # fmt: skip
 
 
-def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, cid: str = "c0"):
+def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, cid: str = "c0", **kw: int):
     data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
     sampler = BatchSampler(len(data), BATCH, 0, cid)
-    return train_local(FlatModel(tiny_model(seed=99)), data, sampler, assignment(start, steps, c, alpha), client)
+    task = assignment(start, steps, c, alpha, **kw)
+    return train_local(FlatModel(tiny_model(seed=99)), data, sampler, task, client)
 
 
 def manual_sgd(start: np.ndarray, steps: int, constant: np.ndarray, cid: str = "c0") -> np.ndarray:
@@ -211,7 +216,7 @@ def test_server_c_equals_mean_of_all_c_i_under_partial_participation() -> None:
 def test_server_instructions_and_alpha_hook() -> None:
     server = make_server(["a", "b"])
     instr = server.instructions(1, "a")
-    assert instr.params == {"alpha": 1.0}
+    assert instr.params == {"alpha": 1.0, "last_aggregated": 0}
     assert set(instr.arrays) == {"c"} and instr.arrays["c"].shape == (D,)
     assert Scaffold.required_arrays == ("delta_c",)
 
@@ -261,3 +266,54 @@ def test_state_round_trips() -> None:
     other.load_state_dict(state)
     np.testing.assert_array_equal(other.c, server.c)
     np.testing.assert_allclose(other.c, np.full(D, 0.25))
+
+
+def test_c_i_is_committed_only_when_the_server_aggregated_that_round() -> None:
+    """Round 1's c_i^new waits as pending; round 2's assignment says round 1 was aggregated: committed. Round 2's
+    update is lost; round 3's assignment still says 1: round 2's c_i^new is discarded, round 3 corrects with round 1's.
+    """
+    start, c = flat_of(tiny_model(seed=1)), np.full(D, 0.1, dtype=np.float32)
+    client = ScaffoldClient()
+    r1 = run_client(client, start, 4, c, round_=1, last_aggregated=0)
+    assert "c_i" in client.state_dict() and not client.state_dict()["c_i"].any()  # nothing committed yet
+    assert int(client.state_dict()["pending_round"]) == 1
+    np.testing.assert_array_equal(client.state_dict()["pending_c_i"], r1.arrays["delta_c"])
+    run_client(client, start, 4, c, round_=2, last_aggregated=1)  # commit round 1, train round 2 (lost)
+    np.testing.assert_array_equal(client.state_dict()["c_i"], r1.arrays["delta_c"])
+    assert int(client.state_dict()["pending_round"]) == 2
+    restored = ScaffoldClient()  # the pending c_i survives a restart through the state file
+    restored.load_state_dict(client.state_dict())
+    for c_now in (client, restored):
+        r3 = run_client(c_now, start, 4, c, round_=3, last_aggregated=1)  # round 2 was never aggregated
+        # the correction used round 1's c_i: the step equals one from a client that never saw round 2
+        fresh = ScaffoldClient()
+        fresh.load_state_dict({"c_i": r1.arrays["delta_c"]})
+        np.testing.assert_array_equal(r3.delta, run_client(fresh, start, 4, c).delta)
+        np.testing.assert_array_equal(c_now.state_dict()["c_i"], r1.arrays["delta_c"])
+        assert int(c_now.state_dict()["pending_round"]) == 3
+
+
+def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost() -> None:
+    """The server's assignments settle each client's pending c_i: updates it never aggregated leave c = mean(c_i)."""
+    ids = ["a", "b", "c"]
+    clients = {k: ScaffoldClient() for k in ids}
+    server = make_server(ids)
+    w = flat_of(tiny_model(seed=4))
+    lost = {1: {"b"}, 2: set(), 3: {"a", "c"}, 4: {"b"}}  # trained and uploaded, never aggregated
+    for round_, dropped in lost.items():
+        ups = []
+        for k in ids:
+            instr = server.instructions(round_, k)
+            r = run_client(clients[k], w, instr.local_steps, instr.arrays["c"], cid=k, round_=round_, **instr.params)
+            if k not in dropped:
+                ups.append(update(k, r.delta, r.arrays["delta_c"]))
+        w = server.aggregate(round_, w, ups)
+        for k in ids:  # what the next assignment would make of each pending c_i
+            clients[k].settle(server.instructions(round_ + 1, k).params["last_aggregated"])
+        c_i = [clients[k].state_dict().get("c_i", np.zeros(D, dtype=np.float32)) for k in ids]
+        np.testing.assert_allclose(server.c, np.mean(c_i, axis=0), atol=1e-5)
+    assert server.aggregated == {"a": 4, "b": 3, "c": 4}
+    assert np.abs(server.c).max() > 1e-3
+    restored = make_server(ids)  # the bookkeeping is checkpointed with c
+    restored.load_state_dict(server.state_dict())
+    assert restored.aggregated == server.aggregated

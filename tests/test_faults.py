@@ -23,13 +23,20 @@ import pytest
 import torch
 from conftest import Hooks, make_config, make_update
 
+from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Hello, Presence, encode
+from edge_client.protocol import Assignment, Hello, Presence, Update, encode
+from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from server.broker import Broker, BrokerSettings
 from server.config import ConfigError
+from server.datasets import load_dataset
+from server.evaluation import Evaluator
+from server.inprocess import LocalBus, LocalLink
 from server.orchestrator import Orchestrator
+from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Instructions, pack_state, unpack_state
 
@@ -128,6 +135,21 @@ def reported(caplog: pytest.LogCaptureFixture, round_: int, cid: str) -> int:
     return sum(r.getMessage().startswith(f"round {round_}: {cid} reported") for r in caplog.records)
 
 
+def assert_c_is_the_mean_of_the_c_i(orch: Orchestrator, state_dir: Path) -> None:
+    """SCAFFOLD's invariant c = mean_i c_i over every registered client, each c_i settled as its next assignment
+    would settle it (pending c_i^new committed only if the server aggregated that round)."""
+    settled = []
+    for cid in sorted(orch.clients):
+        client = ScaffoldClient()
+        with np.load(state_dir / f"{cid}.state" / orch.config.run.job / "scaffold.npz") as saved:
+            client.load_state_dict({k: saved[k] for k in saved.files})
+        client.settle(orch.strategy.aggregated.get(cid, 0))  # type: ignore[attr-defined]
+        settled.append(client.c_i)
+    c = orch.strategy.c  # type: ignore[attr-defined]
+    assert np.abs(c).max() > 1e-3
+    np.testing.assert_allclose(c, np.mean(settled, axis=0), rtol=0, atol=1e-5)
+
+
 @pytest.mark.integration
 def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_discarded(
     federation, broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -145,8 +167,9 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
     restarted: dict[str, subprocess.Popen] = {}
 
     def kill_and_freeze() -> None:
-        with np.load(state_file) as f:
-            saved["c_i"] = f["c_i"]
+        with np.load(state_file) as f:  # round 1's c_i^new, pending until round 2's assignment commits it
+            assert int(f["pending_round"]) == 1 and not f["c_i"].any()
+            saved["c_i"] = f["pending_c_i"]
         procs["client-01"].kill()
         procs["client-01"].wait()
         os.kill(procs["client-02"].pid, signal.SIGSTOP)
@@ -186,6 +209,9 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
     assert "client-01" in rows[2]["clients"] and "client-01" in rows[3]["clients"]
     with np.load(state_file) as f:
         assert not np.array_equal(f["c_i"], saved["c_i"])  # it kept training from the restored c_i
+    # the two rejected round-2 updates' c_i^new were discarded, not committed: c is still the mean of the c_i
+    assert orch.strategy.aggregated == {"client-00": 4, "client-01": 4, "client-02": 4}  # type: ignore[attr-defined]
+    assert_c_is_the_mean_of_the_c_i(orch, orch.out_dir / "clients")
 
 
 @pytest.mark.integration
@@ -276,3 +302,106 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
     assert json.loads((out / "summary.json").read_text())["rounds"] == rounds
     with np.load(out / "checkpoint.npz") as saved:
         assert bool(saved["finished"]) and int(saved["round"]) == rounds
+
+
+# ------------------------------------------------------------------------------------ the broker itself dies
+def federation_on(broker: Broker, tmp_path: Path, job: str, clients: int, rounds: int, **settings: Any) -> tuple:
+    """Like conftest's ``federation``, on a broker of the test's own (one it may kill): server and client processes."""
+    config = make_config(tmp_path, job, clients, rounds, **settings)
+    bundle = load_dataset("digits", seed=0)
+    out = Path(config.run.out)
+    ids = client_ids(clients)
+    shards, _ = prepare_shards(bundle, ids, config.data.partition, 0, out / "shards")
+    logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
+    procs = start_clients(config, broker.url, logins, shards, out / "clients")
+    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+    return Orchestrator(config, link, Evaluator(bundle.model, bundle.test), bundle.model, out), procs
+
+
+@pytest.mark.integration
+def test_broker_sigkilled_mid_round_and_restarted(
+    need_mosquitto: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SCAFFOLD, 3 clients, 4 rounds. client-02 is SIGSTOPped after round 1 so that round 2 is surely in progress;
+    once the server accepted round 2's first update and mosquitto saved a snapshot holding every session, the broker
+    is SIGKILLed, restarted on the same port and client-02 resumed. Everyone reconnects on their own to the sessions
+    they had, the run finishes and no update is aggregated twice."""
+    caplog.set_level("INFO", logger="edgefl.server")
+    ids = client_ids(3)
+    broker = Broker(tmp_path / "broker", BrokerSettings(devices=ids, autosave_interval=1)).start()
+    snapshot = broker.workdir / "mosquitto.db"
+    procs: dict[str, subprocess.Popen] = {}
+    round_1_done: list[float] = []
+
+    def freeze_client_02() -> None:
+        round_1_done.append(time.time())
+        os.kill(procs["client-02"].pid, signal.SIGSTOP)
+
+    try:
+        orch, procs = federation_on(
+            broker, tmp_path, "bkill", 3, 4, train={"algorithm": "scaffold"}, round_deadline_s=10.0
+        )
+        hooks = orch.observer = Hooks({1: freeze_client_02})
+        outcome: dict[str, Any] = {}
+
+        def serve() -> None:
+            try:
+                outcome["summary"] = orch.run()
+            except BaseException as exc:  # the test thread asserts on it
+                outcome["error"] = exc
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        round_2 = lambda: (s := orch.current) is not None and s.round == 2 and bool(s.received)  # noqa: E731
+        poll(lambda: round_2() or not server.is_alive(), 60, "the first accepted update of round 2")
+        # a snapshot taken after round 1 holds all four sessions (autosave every second)
+        poll(lambda: snapshot.exists() and snapshot.stat().st_mtime > round_1_done[0], 10, "a broker snapshot")
+        broker.kill()
+        before_kill = sorted(orch.current.received) if orch.current else []
+        broker.start()
+        os.kill(procs["client-02"].pid, signal.SIGCONT)
+        server.join(timeout=120)
+        assert not server.is_alive() and "error" not in outcome, outcome
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+        codes = stop_clients(procs, timeout=20)
+        broker.stop()
+    rows = hooks.rows
+    assert outcome["summary"]["rounds"] == 4 and [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert before_kill and set(before_kill) <= set(rows[1]["clients"])  # accepted before the kill: aggregated
+    # exactly once: never two accepted updates from one client in one round; a redelivered one is rejected
+    for row in rows:
+        assert row["clients_reported"] <= row["clients_selected"] and set(row["rejected"]) <= {"duplicate"}, row
+        for cid in ids:
+            assert reported(caplog, row["round"], cid) == (cid in row["clients"]), (row["round"], cid)
+    # the server and every client reconnected, to the sessions they had: all three reported after the kill
+    assert all(sorted(r["clients"]) == ids for r in rows[2:]), [sorted(r["clients"]) for r in rows]
+    for cid in ids:
+        log = (orch.out_dir / "clients" / f"{cid}.log").read_text()
+        assert "(session present: False)" in log and "(session present: True)" in log, log
+    assert codes == dict.fromkeys(ids, 0)  # every client got the server's stop through the new broker
+    assert_c_is_the_mean_of_the_c_i(orch, orch.out_dir / "clients")
+
+
+def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.LogCaptureFixture) -> None:
+    """A stale assignment (replayed from a persistent session) is skipped with a log line; the same round again (a
+    resumed server re-running it) is served; once the server went offline, the next run may start at round 1."""
+    bus, topics = LocalBus(), Topics("stale")
+    server = LocalLink(bus, [topics.all_up]).start()
+    rng = np.random.default_rng(0)
+    data = ArrayDataset(rng.normal(size=(12, 4)).astype(np.float32), rng.integers(0, 3, size=12))
+    client = EdgeClient("a", data, None, job="stale", link_factory=lambda subs, hook: LocalLink(bus, subs))
+    client.link.start()
+    weights = get_flat(build_model(SPEC))
+
+    def served(round_: int) -> list[int]:
+        client.handle(Assignment(round_, round_, 2, 0.1, 4, 10.0, "fedavg", SPEC, weights))
+        return [m.round for _, m in iter(lambda: server.receive(0), None) if isinstance(m, Update)]
+
+    assert served(3) == [3]
+    assert served(2) == [] and "round 2: skipping a stale assignment (round 3 already served)" in caplog.text
+    assert served(3) == [3]
+    client.handle(Presence(client_id="server", online=False, role="server", reason="connection lost"))
+    assert served(1) == [1]

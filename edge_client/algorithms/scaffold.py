@@ -5,6 +5,12 @@ Per step ``v = g + alpha (c - c_i)``: the correction is constant within a round,
 ``c_i <- c_i - c + delta / (K_i eta_l)`` where ``K_i`` is the number of steps this client actually took (2.4 (e):
 "if K varies per client use that client's K_i"), and the client uploads ``delta_c = c_i^new - c_i^old`` (2.4 (a)
 [RECOMMENDED]: the difference, so the server needs no copy of every ``c_i``).
+
+``c_i^new`` is committed only once the server has aggregated the update that carried its ``delta_c``: the server
+says in every assignment which of this client's rounds it last aggregated (params["last_aggregated"], 0 = none),
+and a pending ``c_i^new`` of another round (the update was rejected, late or lost with a broker) is discarded.
+Otherwise ``c`` would drift from the mean of the ``c_i`` by ``delta_c / N`` per lost update. An assignment without
+``last_aggregated`` (hand-made, the benchmark) commits at once, as the original algorithm does.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ class ScaffoldClient(ClientAlgorithm):
 
     ``alpha`` is read from the assignment every round, so the server may send each client its own coefficient.
     A round in which no step ran leaves ``c_i`` unchanged (``delta / (0 * eta_l)`` is undefined) and uploads
-    ``delta_c = 0``.
+    ``delta_c = 0``. ``pending`` is ``(round, c_i^new)`` until the server's next assignment settles it.
     """
 
     name = "scaffold"
@@ -33,6 +39,7 @@ class ScaffoldClient(ClientAlgorithm):
         self._c: np.ndarray | None = None  # the server's c of this round
         self._correction: torch.Tensor | None = None  # alpha * (c - c_i), this round only
         self._steps = 0
+        self.pending: tuple[int, np.ndarray] | None = None
 
     def alpha(self, ctx: LocalContext) -> float:
         value = ctx.param("alpha")
@@ -43,7 +50,18 @@ class ScaffoldClient(ClientAlgorithm):
             raise ValueError(f"scaffold: alpha must be finite; got {value!r}")
         return alpha
 
+    def settle(self, last_aggregated: int) -> None:
+        """Commit the pending ``c_i^new`` if the server aggregated the round it came from, else drop it."""
+        if self.pending is not None:
+            round_, c_i = self.pending
+            if round_ == last_aggregated:
+                self.c_i = c_i
+            self.pending = None
+
     def begin_round(self, ctx: LocalContext) -> None:
+        last = ctx.param("last_aggregated")
+        if last is not None:
+            self.settle(int(last))
         c = ctx.array("c")
         if c.shape != ctx.start.shape:
             raise ValueError(f"scaffold: c has shape {tuple(c.shape)}, the model {tuple(ctx.start.shape)}")
@@ -69,12 +87,23 @@ class ScaffoldClient(ClientAlgorithm):
             delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.assignment.lr) - self._c).astype(
                 np.float32
             )
-            self.c_i = self.c_i + delta_c
+            c_i = self.c_i + delta_c
+            if ctx.param("last_aggregated") is None:
+                self.c_i = c_i
+            else:
+                self.pending = (ctx.assignment.round, c_i)
         self._c, self._correction = None, None
         return {}, {"delta_c": delta_c}
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {} if self.c_i is None else {"c_i": self.c_i.copy()}
+        state = {} if self.c_i is None else {"c_i": self.c_i.copy()}
+        if self.pending is not None:
+            state |= {"pending_round": np.array(self.pending[0]), "pending_c_i": self.pending[1].copy()}
+        return state
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         self.c_i = np.array(state["c_i"], dtype=np.float32).reshape(-1) if "c_i" in state else None
+        self.pending = None
+        if "pending_c_i" in state:
+            pending = np.array(state["pending_c_i"], dtype=np.float32).reshape(-1)
+            self.pending = (int(state["pending_round"]), pending)

@@ -5,7 +5,10 @@
                                                              participation (2.4 (b) [EXTERNAL: original SCAFFOLD])
 
 ``c_0 = 0`` (2.4 (d)), so round 1 is exactly FedAvg (2.4 (f)3). Each client gets ``c`` as the array ``"c"`` and
-``{"alpha": alpha_for(client_id)}``; it returns ``delta_c_i = c_i^new - c_i^old`` as the array ``"delta_c"``.
+``{"alpha": alpha_for(client_id), "last_aggregated": <the last round whose update from this client went into c, 0 =
+none>}``; it returns ``delta_c_i = c_i^new - c_i^old`` as the array ``"delta_c"`` and commits ``c_i^new`` only when a
+later assignment says that round was aggregated, so ``c`` stays the mean of the ``c_i`` when updates are rejected,
+late or lost.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class Scaffold(Strategy):
-    """Server state: ``c`` (checkpointed as an array). ``alpha_for`` is the per-client coefficient hook."""
+    """Server state: ``c`` (checkpointed as an array) and the last round aggregated from each client.
+
+    ``alpha_for`` is the per-client coefficient hook.
+    """
 
     name = "scaffold"
     description = "control variates: clients step along g + alpha (c - c_i); the server averages deltas and updates c"
@@ -34,6 +40,7 @@ class Scaffold(Strategy):
         if not math.isfinite(self.params["alpha"]):
             raise ValueError(f"{self.name}.alpha must be finite; got {self.params['alpha']!r}")
         self.c: np.ndarray | None = None
+        self.aggregated: dict[str, int] = {}  # client id -> the last round whose delta_c went into c
 
     def setup(self, ctx: ServerContext) -> None:
         super().setup(ctx)
@@ -48,6 +55,7 @@ class Scaffold(Strategy):
         assert self.c is not None, "setup() first"
         instr = super().instructions(round_, client_id)
         instr.params["alpha"] = self.alpha_for(client_id)
+        instr.params["last_aggregated"] = self.aggregated.get(client_id, 0)
         instr.arrays["c"] = self.c
         return instr
 
@@ -65,14 +73,16 @@ class Scaffold(Strategy):
         self.c = self.c + weighted_sum(
             np.full(len(updates), 1.0 / n_all), (u.arrays["delta_c"] for u in updates), weights
         )
+        self.aggregated.update((u.client_id, round_) for u in updates)
         return new
 
     def round_metrics(self) -> dict[str, Any]:
         return {} if self.c is None else {"c_norm": float(np.linalg.norm(self.c))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"c": None if self.c is None else self.c.copy()}
+        return {"c": None if self.c is None else self.c.copy(), "aggregated": dict(self.aggregated)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         c = state.get("c")
         self.c = None if c is None else np.asarray(c, dtype=np.float32)
+        self.aggregated = {str(k): int(v) for k, v in state.get("aggregated", {}).items()}

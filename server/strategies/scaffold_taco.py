@@ -5,7 +5,8 @@ correction factor of eq. 8 (SCAFFOLD's ``alpha`` defaults to 1, giving (f)13's `
 TACO's eq. 7 coefficient computed by the server from each round's uploads (``taco_alphas``) and used in the client's
 next round; ``alpha_i^0 = alpha_init`` (0.1) until a client's first upload. Clients not reporting keep their last
 alpha ((f)12). SCAFFOLD's own ``alpha`` is kept as a multiplier (like ``zeta`` in fedprox-taco) rather than silently
-ignored. No tailored aggregation, expulsion or z output.
+ignored. No tailored aggregation, expulsion or z output. SCAFFOLD's ``last_aggregated`` bookkeeping (which keeps
+``c`` the mean of the clients' ``c_i`` when updates are lost) is inherited unchanged.
 """
 
 from __future__ import annotations
