@@ -29,7 +29,7 @@ from edge_client.transport import Inbox, LinkConfig
 from server.config import RunConfig
 from server.datasets import DatasetBundle
 from server.orchestrator import RoundObserver
-from server.simulate import behaviours, client_ids, make_orchestrator, roles_summary
+from server.simulate import behaviours, client_ids, client_state_dir, make_orchestrator, roles_summary
 
 log = logging.getLogger("edgefl.inprocess")
 
@@ -153,7 +153,7 @@ def run_inprocess(
             None,
             job=config.run.job,
             threads=config.clients.threads,
-            state_dir=out_dir / "clients" / f"{cid}.state",
+            state_dir=client_state_dir(out_dir, cid),
             behaviour=roles[cid],
             link_factory=bus.connect,
         )

@@ -119,6 +119,15 @@ class RoundState:
     deadline_s: float = 0.0
 
 
+def resumes(out_dir: Path) -> bool:
+    """Whether a server started on ``out_dir`` continues an unfinished run (rather than starting afresh)."""
+    path = Path(out_dir) / "checkpoint.npz"
+    if not path.exists():
+        return False
+    with np.load(path) as saved:
+        return "finished" in saved.files and not bool(saved["finished"])  # no marker: written before resumption
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -391,8 +400,7 @@ class Orchestrator:
 
     @staticmethod
     def _checkpoint_finished(path: Path) -> bool:
-        with np.load(path) as saved:
-            return "finished" not in saved.files or bool(saved["finished"])  # no marker: written before resumption
+        return not resumes(path.parent)
 
     def _check_resumable(self, path: Path, saved: Any) -> None:
         """Refuse to continue a run made with another configuration or model: say which key differs and what to do."""

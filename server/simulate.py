@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
 from server.datasets import DatasetBundle, format_histograms, label_histograms, partition_bundle, write_shards
 from server.evaluation import Evaluator
-from server.orchestrator import Orchestrator, RoundObserver
+from server.orchestrator import Orchestrator, RoundObserver, resumes
 
 log = logging.getLogger("edgefl.simulate")
 
@@ -97,14 +98,27 @@ def make_orchestrator(
     )
 
 
+def client_state_dir(out_dir: Path, client_id: str) -> Path:
+    """Where a simulated client keeps its algorithm state (SCAFFOLD's c_i, FedUmf's stored update) across restarts.
+
+    A fresh run in a directory that held a finished one must not inherit the old run's state: it is removed then.
+    """
+    path = out_dir / "clients" / f"{client_id}.state"
+    if not resumes(out_dir) and path.exists():
+        shutil.rmtree(path)
+    return path
+
+
 def start_clients(
     config: RunConfig,
     url: str,
     logins: dict[str, ClientLogin],
     shards: list[Path],
-    log_dir: Path,
+    out_dir: Path,
     ca_file: str | None = None,
 ) -> dict[str, subprocess.Popen]:
+    """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``."""
+    log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
     threads = str(config.clients.threads)
@@ -131,7 +145,7 @@ def start_clients(
             "--chunk-size",
             str(config.broker.chunk_size),
             "--state-dir",
-            str(log_dir / f"{cid}.state"),
+            str(client_state_dir(out_dir, cid)),
             "--behaviour",
             roles[cid],
         ]
@@ -181,7 +195,7 @@ def run_processes(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``edge-client`` process per shard, the server here, all through the broker; returns the summary."""
-    procs = start_clients(config, link_config.url, logins, shards, out_dir / "clients", link_config.ca_file)
+    procs = start_clients(config, link_config.url, logins, shards, out_dir, link_config.ca_file)
     finished = False
     try:
         summary = make_orchestrator(

@@ -217,7 +217,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
         for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
             creds = broker.devices.get(cid) or broker.add_device(cid)
             logins[cid] = ClientLogin(cid, creds.password)
-        procs = start_clients(config, broker.url, logins, shards, out / "clients")
+        procs = start_clients(config, broker.url, logins, shards, out)
         started.append(procs)
         link = LinkConfig(broker.url, broker.server.username, broker.server.password)
         orch = Orchestrator(

@@ -35,8 +35,8 @@ from server.config import ConfigError
 from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.inprocess import LocalBus, LocalLink
-from server.orchestrator import Orchestrator
-from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+from server.orchestrator import Orchestrator, resumes
+from server.simulate import ClientLogin, client_ids, client_state_dir, prepare_shards, start_clients, stop_clients
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Instructions, pack_state, unpack_state
 
@@ -313,7 +313,7 @@ def federation_on(broker: Broker, tmp_path: Path, job: str, clients: int, rounds
     ids = client_ids(clients)
     shards, _ = prepare_shards(bundle, ids, config.data.partition, 0, out / "shards")
     logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
-    procs = start_clients(config, broker.url, logins, shards, out / "clients")
+    procs = start_clients(config, broker.url, logins, shards, out)
     link = LinkConfig(broker.url, broker.server.username, broker.server.password)
     return Orchestrator(config, link, Evaluator(bundle.model, bundle.test), bundle.model, out), procs
 
@@ -405,3 +405,16 @@ def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.Lo
     assert served(3) == [3]
     client.handle(Presence(client_id="server", online=False, role="server", reason="connection lost"))
     assert served(1) == [1]
+
+
+def test_client_state_is_kept_only_when_the_run_resumes(tmp_path: Path) -> None:
+    """A fresh run in a finished run's directory must not hand its clients the old run's c_i; a resumed one must."""
+    stale = tmp_path / "clients" / "client-00.state"
+    stale.mkdir(parents=True)
+    (stale / "scaffold.npz").write_bytes(b"old")
+    np.savez(tmp_path / "checkpoint.npz", finished=False)
+    assert resumes(tmp_path)
+    assert (client_state_dir(tmp_path, "client-00") / "scaffold.npz").exists()
+    np.savez(tmp_path / "checkpoint.npz", finished=True)
+    assert not resumes(tmp_path)
+    assert not client_state_dir(tmp_path, "client-00").exists()
