@@ -17,6 +17,7 @@ import csv
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,101 +51,101 @@ def _reached(values: list[float | None], fmt: str) -> str:
     return text if len(hit) == len(values) else f"{text} ({len(hit)}/{len(values)})"
 
 
-def _grouped(records: list[dict[str, Any]]) -> tuple[list[str], list[str], dict[tuple[str, str], list[dict]]]:
+Runs = list[dict[str, Any]]
+#: One sub-column of a table: its header after the column's name, and its cell from the runs of one algorithm in
+#: that column (``column`` maps every algorithm to its runs there, for baselines such as FedAvg).
+Field = tuple[str, Callable[[Runs, dict[str, Runs]], str]]
+
+
+def _grid(records: Runs) -> tuple[list[str], list[str], dict[str, dict[str, Runs]]]:
+    """Columns and algorithms in the order they ran, and the runs of each algorithm in each column."""
     columns = list(dict.fromkeys(r["column"] for r in records))
     algorithms = list(dict.fromkeys(r["algorithm"] for r in records))
-    cells: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    grid: dict[str, dict[str, Runs]] = {col: defaultdict(list) for col in columns}
     for r in records:
-        cells[(r["algorithm"], r["column"])].append(r)
-    return columns, algorithms, cells
+        grid[r["column"]][r["algorithm"]].append(r)
+    return columns, algorithms, grid
 
 
-def accuracy_table(records: list[dict[str, Any]], target: float) -> Table:
-    columns, algorithms, cells = _grouped(records)
-    header = ["Method"]
-    for col in columns:
-        rounds = max(r["summary"]["rounds"] for r in records if r["column"] == col)
-        header += [f"{col} Acc(%) {rounds}R", f"{col} Rounds ({target * 100:g}%)"]
-    rows = []
-    for algo in algorithms:
-        row = [algo]
-        for col in columns:
-            runs = cells.get((algo, col), [])
-            row.append(_mean_std([r["summary"]["final_accuracy"] for r in runs]))
-            row.append(_reached([r["summary"]["rounds_to_target"] for r in runs], "{:.0f}") if runs else "-")
-        rows.append(row)
+def _table(records: Runs, fields: list[Field]) -> Table:
+    """Methods as rows; per column (variant and partition) one sub-column per field."""
+    columns, algorithms, grid = _grid(records)
+    header = ["Method"] + [f"{col} {name}" for col in columns for name, _ in fields]
+    rows = [
+        [algo] + [cell(grid[col].get(algo, []), grid[col]) if grid[col].get(algo) else "-"
+                  for col in columns for _, cell in fields]
+        for algo in algorithms
+    ]  # fmt: skip
     return header, rows
 
 
-def time_table(records: list[dict[str, Any]], target: float) -> Table:
-    columns, algorithms, cells = _grouped(records)
-    header = ["Method"]
-    for col in columns:
-        header += [f"{col} wall clock to {target * 100:g}% (s)", f"{col} client compute to {target * 100:g}% (s)"]
-    rows = []
-    for algo in algorithms:
-        row = [algo]
-        for col in columns:
-            runs = cells.get((algo, col), [])
-            row.append(_reached([r["summary"]["time_to_target_s"] for r in runs], "{:.3g}") if runs else "-")
-            row.append(_reached([r["summary"]["client_compute_to_target_s"] for r in runs], "{:.3g}") if runs else "-")
-        rows.append(row)
-    return header, rows
+def _summaries(runs: Runs, key: str) -> list[Any]:
+    return [r["summary"][key] for r in runs]
 
 
-def _per_100(runs: list[dict[str, Any]]) -> float | None:
+def accuracy_table(records: Runs, target: float) -> Table:
+    rounds = max(r["summary"]["rounds"] for r in records)
+    return _table(
+        records,
+        [
+            (f"Acc(%) {rounds}R", lambda runs, _: _mean_std(_summaries(runs, "final_accuracy"))),
+            (f"Rounds ({target * 100:g}%)", lambda runs, _: _reached(_summaries(runs, "rounds_to_target"), "{:.0f}")),
+        ],
+    )
+
+
+def time_table(records: Runs, target: float) -> Table:
+    to = f"to {target * 100:g}% (s)"
+    return _table(
+        records,
+        [
+            (f"wall clock {to}", lambda runs, _: _reached(_summaries(runs, "time_to_target_s"), "{:.3g}")),
+            (
+                f"client compute {to}",
+                lambda runs, _: _reached(_summaries(runs, "client_compute_to_target_s"), "{:.3g}"),
+            ),
+        ],
+    )
+
+
+def _per_100(runs: Runs) -> float | None:
     steps = sum(p["local_steps"] for r in runs for p in r["curve"])
     compute = sum(p["compute_s"] for r in runs for p in r["curve"])
     return 100.0 * compute / steps if steps else None
 
 
-def compute_table(records: list[dict[str, Any]]) -> Table:
-    columns, algorithms, cells = _grouped(records)
-    header = ["Method"]
-    for col in columns:
-        header += [f"{col} s / 100 local updates", f"{col} local updates per run"]
-    rows = []
-    for algo in algorithms:
-        row = [algo]
-        for col in columns:
-            runs = cells.get((algo, col), [])
-            mine = _per_100(runs)
-            base = _per_100(cells.get(("fedavg", col), []))
-            if mine is None:
-                row.append("-")
-            elif base:
-                row.append(f"{mine:.3f}s ({(mine / base - 1) * 100:+.2f}%)")
-            else:
-                row.append(f"{mine:.3f}s")
-            steps = [sum(p["local_steps"] for p in r["curve"]) for r in runs]
-            row.append(f"{statistics.fmean(steps):,.0f}" if steps else "-")
-        rows.append(row)
-    return header, rows
+def _seconds_per_100(runs: Runs, column: dict[str, Runs]) -> str:
+    mine, base = _per_100(runs), _per_100(column.get("fedavg", []))
+    if mine is None:
+        return "-"
+    return f"{mine:.3f}s ({(mine / base - 1) * 100:+.2f}%)" if base else f"{mine:.3f}s"
 
 
-def freeloader_table(records: list[dict[str, Any]]) -> Table | None:
+def compute_table(records: Runs) -> Table:
+    def updates(runs: Runs, _: dict[str, Runs]) -> str:
+        return f"{statistics.fmean(sum(p['local_steps'] for p in r['curve']) for r in runs):,.0f}"
+
+    return _table(records, [("s / 100 local updates", _seconds_per_100), ("local updates per run", updates)])
+
+
+def _detection(runs: Runs, honest: bool) -> str:
+    """Share of freeloaders (TPR) or of honest clients (FPR) that were expelled, averaged over runs."""
+    shares = []
+    for r in runs:
+        s = r["summary"]
+        free, excluded = set(s.get("freeloaders") or []), set(s.get("excluded") or [])
+        group = s["clients"] - len(free) if honest else len(free)
+        if group:
+            shares.append(len(excluded - free if honest else excluded & free) / group)
+    return _percent(shares)
+
+
+def freeloader_table(records: Runs) -> Table | None:
     if not any(r["summary"].get("freeloaders") for r in records):
         return None
-    columns, algorithms, cells = _grouped(records)
-    header = ["Method"]
-    for col in columns:
-        header += [f"{col} TPR", f"{col} FPR"]
-    rows = []
-    for algo in algorithms:
-        row = [algo]
-        for col in columns:
-            tpr, fpr = [], []
-            for r in cells.get((algo, col), []):
-                s = r["summary"]
-                free, excluded = set(s.get("freeloaders") or []), set(s.get("excluded") or [])
-                honest = s["clients"] - len(free)
-                if free:
-                    tpr.append(len(excluded & free) / len(free))
-                if honest:
-                    fpr.append(len(excluded - free) / honest)
-            row += [_percent(tpr), _percent(fpr)]
-        rows.append(row)
-    return header, rows
+    return _table(
+        records, [("TPR", lambda runs, _: _detection(runs, False)), ("FPR", lambda runs, _: _detection(runs, True))]
+    )
 
 
 def markdown(table: Table) -> str:
@@ -172,12 +173,12 @@ def _mean_curve(runs: list[dict[str, Any]], x: str) -> tuple[list[float], list[f
 
 def plot_columns(records: list[dict[str, Any]], target: float, out_dir: Path) -> list[Path]:
     """One PNG per column: accuracy against rounds and against client compute time, one curve per algorithm."""
-    columns, algorithms, cells = _grouped(records)
+    columns, algorithms, grid = _grid(records)
     paths = []
     for col in columns:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for algo in algorithms:
-            runs = cells.get((algo, col))
+            runs = grid[col].get(algo)
             if not runs:
                 continue
             for ax, x in ((axes[0], "round"), (axes[1], "compute")):
