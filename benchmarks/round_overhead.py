@@ -62,7 +62,7 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
     orig = {name: getattr(Orchestrator, name) for name in ("_assign", "_collect", "_accept", "_checkpoint", "_train")}
     orig_export = onnx_export.export_onnx
 
-    def _assign(self: Orchestrator, round_: int, version: int, weights: Any) -> Any:
+    def _assign(self: Orchestrator, round_: int, *args: Any) -> Any:
         rec = timeline.round(round_)
         publish = self.link.publish
 
@@ -76,7 +76,7 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         rec["assign_start"] = time.time()
         self.link.publish = timed_publish  # instance attribute shadows the method for this call only
         try:
-            return orig["_assign"](self, round_, version, weights)
+            return orig["_assign"](self, round_, *args)
         finally:
             del self.link.publish
             rec["assign_end"] = time.time()
@@ -93,10 +93,10 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         timeline.round(update.round)["arrived"][sender] = now
         return out
 
-    def _checkpoint(self: Orchestrator, weights: Any, round_: int, version: int) -> Any:
+    def _checkpoint(self: Orchestrator, weights: Any, round_: int, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
         try:
-            return orig["_checkpoint"](self, weights, round_, version)
+            return orig["_checkpoint"](self, weights, round_, *args, **kwargs)
         finally:
             timeline.round(round_)["checkpoint_s"] = time.time() - t0
 
