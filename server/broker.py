@@ -273,11 +273,13 @@ class Broker:
                 )
             time.sleep(0.01)  # poll interval, not a synchronisation delay
 
-    def add_device(self, client_id: str, timeout: float = 5.0) -> Credentials:
+    def add_device(self, client_id: str, timeout: float = 30.0) -> Credentials:
         """Create (or return) a device's credentials; a running broker reloads its password file (SIGHUP).
 
         Returns after mosquitto logged "Reloading config.": its main loop is single-threaded, so every CONNECT it
-        handles after that line sees the new password file and the device can connect at once.
+        handles after that line sees the new password file and the device can connect at once. SIGHUP is repeated
+        every second until then: a busy broker (writing a large snapshot) can fold signals that arrive close
+        together into one reload, and reloading twice is harmless.
         """
         if client_id in self.devices:
             return self.devices[client_id]
@@ -288,11 +290,15 @@ class Broker:
         assert self.process is not None
         self._write_passwd(find_mosquitto())
         offset = self._log_size()
-        self.process.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout
+        next_signal = 0.0
         while not self._log_has(offset, _RELOADED):
-            if time.monotonic() > deadline or not self.running:
+            now = time.monotonic()
+            if now > deadline or not self.running:
                 raise RuntimeError(f"mosquitto did not reload within {timeout} s; {self.log_path}:\n{self._log_tail()}")
+            if now >= next_signal:
+                self.process.send_signal(signal.SIGHUP)
+                next_signal = now + 1.0
             time.sleep(0.005)  # poll interval
         return creds
 

@@ -245,11 +245,11 @@ def test_hostile_chunk_streams(update: P.Update, chunk_size: int, ops: list[tupl
     stream = [bytes(f) for f in split(original, min(chunk_size, len(original) - 1))]
     for op, n, bit in ops:
         i = n % len(stream)
-        if op == "flip":
+        if op == "flip" and stream[i]:  # a frame cut to nothing has no bit left to flip
             frame = bytearray(stream[i])
             frame[n % len(frame)] ^= 1 << bit
             stream[i] = bytes(frame)
-        elif op == "cut":
+        elif op == "cut" and stream[i]:
             stream[i] = stream[i][: n % len(stream[i])]
         elif op == "repeat":
             stream.insert(n % (len(stream) + 1), stream[i])
