@@ -36,7 +36,7 @@ from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.inprocess import LocalBus, LocalLink
 from server.orchestrator import Orchestrator, resumes
-from server.simulate import ClientLogin, client_ids, client_state_dir, prepare_shards, start_clients, stop_clients
+from server.simulate import ClientLogin, client_ids, client_state_dirs, prepare_shards, start_clients, stop_clients
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Instructions, pack_state, unpack_state
 
@@ -260,6 +260,18 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
 
 
 @pytest.mark.integration
+def _checkpointed_round(out: Path) -> int:
+    """The last round in ``out/checkpoint.npz`` (replaced atomically, so never half-written), 0 before the first.
+
+    Waiting on metrics.jsonl instead would race: its row is written just before the round's checkpoint.
+    """
+    try:
+        with np.load(out / "checkpoint.npz") as saved:
+            return int(saved["round"])
+    except FileNotFoundError:
+        return 0
+
+
 def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, tmp_path: Path) -> None:
     """`edge-server run` (TACO: alphas and strikes in the checkpoint) SIGKILLed after round 2, restarted with the same
     output directory; the clients stay up and re-register when the server's presence comes back."""
@@ -279,8 +291,7 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
     with (tmp_path / "first.log").open("w") as log:
         first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        two_rounds = lambda: first.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") >= 2)  # noqa: E731
-        poll(two_rounds, 120, "two rounds")
+        poll(lambda: first.poll() is not None or _checkpointed_round(out) >= 2, 120, "two checkpointed rounds")
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         first.kill()
@@ -414,7 +425,7 @@ def test_client_state_is_kept_only_when_the_run_resumes(tmp_path: Path) -> None:
     (stale / "scaffold.npz").write_bytes(b"old")
     np.savez(tmp_path / "checkpoint.npz", finished=False)
     assert resumes(tmp_path)
-    assert (client_state_dir(tmp_path, "client-00") / "scaffold.npz").exists()
+    assert (client_state_dirs(tmp_path, ["client-00"])["client-00"] / "scaffold.npz").exists()
     np.savez(tmp_path / "checkpoint.npz", finished=True)
     assert not resumes(tmp_path)
-    assert not client_state_dir(tmp_path, "client-00").exists()
+    assert not client_state_dirs(tmp_path, ["client-00"])["client-00"].exists()
