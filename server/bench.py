@@ -23,10 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from edge_client.transport import LinkConfig
 from server.bench_report import write_report
-from server.datasets import DatasetBundle, load_dataset, split_root
+from server.datasets import DatasetBundle, load_dataset
 from server.inprocess import run_inprocess
-from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes
-from server.strategies import TrainSettings, make_strategy
+from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
 from server.suites import RunSpec, Suite
 
 log = logging.getLogger("edgefl.bench")
@@ -48,23 +47,12 @@ def _broker(out_dir: Path, mode: str, clients: int) -> Iterator[BrokerLogins | N
         yield LinkConfig(broker.url, broker.server.username, broker.server.password), logins
 
 
-def _root_size(spec: RunSpec) -> int:
-    t = spec.config.train
-    return make_strategy(
-        t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), spec.config.algorithm_params()
-    ).root_size()
-
-
 def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerLogins | None) -> dict[str, Any]:
     """Train one cell of the grid into ``out_dir`` and return its record (summary plus per-round curve)."""
     config = dataclasses.replace(spec.config, run=dataclasses.replace(spec.config.run, out=str(out_dir)))
-    bundle = dataclasses.replace(bundle)
-    root = None
-    root_size = _root_size(spec)
-    if root_size:  # drag-br's root samples are held by no client
-        root, bundle.train = split_root(bundle.train, root_size, spec.seed)
+    bundle, root = split_clients(config, bundle)  # drag-br's root samples are held by no client
     ids = client_ids(config.clients.count)
-    shards, _ = prepare_shards(bundle, ids, config.data.partition, spec.seed, out_dir / "shards")
+    shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     extra = {"bench_column": spec.column, "variant": spec.variant}
     if broker is None:
         summary = run_inprocess(config, shards, bundle, out_dir, root=root, extra=extra)

@@ -60,16 +60,14 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
 
 
-def _config(args: argparse.Namespace) -> tuple[RunConfig, int]:
-    """The validated configuration (the algorithm and its parameters included, before anything is started) and the
-    size of the server-side root data set the algorithm needs."""
-    from server.strategies import TrainSettings, make_strategy
+def _config(args: argparse.Namespace) -> RunConfig:
+    """The validated configuration, the algorithm and its parameters included, before anything is started."""
+    from server.simulate import root_size
 
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
-    t = config.train
-    strategy = make_strategy(t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params())
-    return config, strategy.root_size()
+    root_size(config)  # builds the strategy: invalid algorithm parameters fail here
+    return config
 
 
 def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -> None:
@@ -134,18 +132,15 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset, split_root
+    from server.datasets import load_dataset
     from server.inprocess import run_inprocess
     from server.progress import RoundProgress
-    from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes
+    from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
 
-    config, root_size = _config(args)
+    config = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
-    bundle = load_dataset(config.data.dataset, seed=config.run.seed)
-    root = None
-    if root_size:  # the server's root data set is held by no client
-        root, bundle.train = split_root(bundle.train, root_size, config.run.seed)
+    bundle, root = split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
@@ -164,15 +159,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset, split_root
+    from server.datasets import load_dataset
     from server.progress import RoundProgress
-    from server.simulate import make_orchestrator
+    from server.simulate import make_orchestrator, split_clients
 
-    config, root_size = _config(args)
+    config = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
-    bundle = load_dataset(config.data.dataset, seed=config.run.seed)
-    root = split_root(bundle.train, root_size, config.run.seed)[0] if root_size else None
+    bundle, root = split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
     with _broker_for(config, out_dir, config.broker.devices) as (link, broker):
         if broker is not None:
             print(

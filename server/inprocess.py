@@ -29,7 +29,7 @@ from edge_client.transport import Inbox, LinkConfig
 from server.config import RunConfig
 from server.datasets import DatasetBundle
 from server.orchestrator import RoundObserver
-from server.simulate import behaviours, client_ids, client_state_dir, make_orchestrator, roles_summary
+from server.simulate import behaviours, client_ids, client_state_dirs, make_orchestrator, roles_summary
 
 log = logging.getLogger("edgefl.inprocess")
 
@@ -146,14 +146,16 @@ def run_inprocess(
     prepare_process(config.clients.threads)
     roles = behaviours(config)
     bus = LocalBus()
-    for cid, shard in zip(client_ids(config.clients.count), shards, strict=True):
+    ids = client_ids(config.clients.count)
+    state_dirs = client_state_dirs(out_dir, ids)
+    for cid, shard in zip(ids, shards, strict=True):
         client = EdgeClient(
             cid,
             load_local_data(shard),
             None,
             job=config.run.job,
             threads=config.clients.threads,
-            state_dir=client_state_dir(out_dir, cid),
+            state_dir=state_dirs[cid],
             behaviour=roles[cid],
             link_factory=bus.connect,
         )

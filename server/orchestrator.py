@@ -377,7 +377,7 @@ class Orchestrator:
         path = self.out_dir / "checkpoint.npz"
         metrics = MetricsLog(self.out_dir / "metrics.jsonl")
         self.version, self.last_round, self.slowest_compute_s = 0, 0, None
-        if not path.exists() or self._checkpoint_finished(path):
+        if not resumes(self.out_dir):
             metrics.path.write_text("")
             return weights, metrics
         with np.load(path) as saved:
@@ -397,10 +397,6 @@ class Orchestrator:
             self.config.run.rounds,
         )
         return weights, metrics
-
-    @staticmethod
-    def _checkpoint_finished(path: Path) -> bool:
-        return not resumes(path.parent)
 
     def _check_resumable(self, path: Path, saved: Any) -> None:
         """Refuse to continue a run made with another configuration or model: say which key differs and what to do."""

@@ -7,6 +7,7 @@ number of torch threads so that two cores are shared predictably.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -17,11 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_client.data import ArrayDataset
 from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
-from server.datasets import DatasetBundle, format_histograms, label_histograms, partition_bundle, write_shards
+from server.datasets import (
+    DatasetBundle,
+    format_histograms,
+    label_histograms,
+    partition_bundle,
+    split_root,
+    write_shards,
+)
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundObserver, resumes
+from server.strategies import TrainSettings, make_strategy
 
 log = logging.getLogger("edgefl.simulate")
 
@@ -98,15 +108,36 @@ def make_orchestrator(
     )
 
 
-def client_state_dir(out_dir: Path, client_id: str) -> Path:
-    """Where a simulated client keeps its algorithm state (SCAFFOLD's c_i, FedUmf's stored update) across restarts.
+def root_size(config: RunConfig) -> int:
+    """Samples the algorithm wants as the server's own root data set (DRAG-BR), 0 for the others.
+
+    It builds the strategy, so invalid algorithm parameters fail here, before anything is started.
+    """
+    t = config.train
+    settings = TrainSettings(t.local_steps, t.lr, t.batch_size)
+    return make_strategy(t.algorithm, settings, config.algorithm_params()).root_size()
+
+
+def split_clients(config: RunConfig, bundle: DatasetBundle) -> tuple[DatasetBundle, ArrayDataset | None]:
+    """The bundle whose training set the clients share, and the root data set the algorithm needs (held by none)."""
+    size = root_size(config)
+    if not size:
+        return bundle, None
+    root, train = split_root(bundle.train, size, config.run.seed)
+    return dataclasses.replace(bundle, train=train), root
+
+
+def client_state_dirs(out_dir: Path, client_ids: list[str]) -> dict[str, Path]:
+    """Where simulated clients keep their algorithm state (SCAFFOLD's c_i, FedUmf's stored update) across restarts.
 
     A fresh run in a directory that held a finished one must not inherit the old run's state: it is removed then.
     """
-    path = out_dir / "clients" / f"{client_id}.state"
-    if not resumes(out_dir) and path.exists():
-        shutil.rmtree(path)
-    return path
+    fresh = not resumes(out_dir)
+    paths = {cid: out_dir / "clients" / f"{cid}.state" for cid in client_ids}
+    for path in paths.values():
+        if fresh and path.exists():
+            shutil.rmtree(path)
+    return paths
 
 
 def start_clients(
@@ -123,7 +154,9 @@ def start_clients(
     procs: dict[str, subprocess.Popen] = {}
     threads = str(config.clients.threads)
     roles = behaviours(config)
-    for cid, shard in zip(client_ids(config.clients.count), shards, strict=True):
+    ids = client_ids(config.clients.count)
+    state_dirs = client_state_dirs(out_dir, ids)
+    for cid, shard in zip(ids, shards, strict=True):
         login = logins[cid]
         cmd = [
             sys.executable,
@@ -145,7 +178,7 @@ def start_clients(
             "--chunk-size",
             str(config.broker.chunk_size),
             "--state-dir",
-            str(client_state_dir(out_dir, cid)),
+            str(state_dirs[cid]),
             "--behaviour",
             roles[cid],
         ]

@@ -27,11 +27,10 @@ from edge_client.protocol import Update
 from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, from_dict
-from server.datasets import load_dataset, split_root
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator
-from server.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
-from server.strategies import TrainSettings, make_strategy
+from server.simulate import ClientLogin, client_ids, prepare_shards, split_clients, start_clients, stop_clients
 
 CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]
@@ -205,13 +204,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
         config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
         bundle = load_dataset(dataset, seed=0)
         out = Path(config.run.out)
-        t = config.train
-        root_size = make_strategy(
-            t.algorithm, TrainSettings(t.local_steps, t.lr, t.batch_size), config.algorithm_params()
-        ).root_size()
-        root = None
-        if root_size:
-            root, bundle.train = split_root(bundle.train, root_size, 0)
+        bundle, root = split_clients(config, bundle)
         shards, _ = prepare_shards(bundle, client_ids(clients), config.data.partition, 0, out / "shards")
         logins = {}
         for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
