@@ -22,6 +22,9 @@ DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
     "idx directory (docs/datasets.md)"
 )
+PARTITION_HELP = (
+    "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+)
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
@@ -240,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--partition": (
                 "data__partition",
                 str,
-                "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K or unbalanced:SIGMA",
+                PARTITION_HELP,
             ),
             "--threads": ("clients__threads", int, "torch threads per client process"),
         },
@@ -274,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument(
         "--partition",
         default="iid",
-        help="iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K or unbalanced:SIGMA",
+        help=PARTITION_HELP,
     )
     part.add_argument("--clients", type=int, default=10, help="number of shards (ids client-00 ..)")
     part.add_argument("--ids", help="comma-separated device ids instead of client-NN")
