@@ -1,7 +1,7 @@
 """Benchmark 1: client step overhead, seconds per 100 local updates per algorithm against FedAvg (TACO Table I).
 
 Runs the real training path (``edge_client.trainer.train_local`` on a ``FlatModel`` with each algorithm's client
-half, through ``edge_client.benchmark``'s per-algorithm runner) for the TACO CNN on 28x28 inputs and the Adult MLP,
+half, through ``edge_client.speed``'s per-algorithm runner) for the TACO CNN on 28x28 inputs and the Adult MLP,
 batch 64, 100 steps, one torch thread. Every algorithm gets the coefficients its real server half sends
 (``server.strategies.make_strategy(...).instructions``: FedUmf's momentum 0.5 and weight decay 5e-4, SCAFFOLD's
 ``c``, ...). Algorithms are interleaved within each repeat (order rotated), an untimed warm-up round comes first,
@@ -92,9 +92,9 @@ def make_runner(
     seed: int = 0,
     data: tuple[np.ndarray, np.ndarray] | None = None,
 ):
-    """``edge_client.benchmark``'s runner with the real server coefficients and, optionally, a given data set."""
-    from edge_client.benchmark import LR, _Runner
+    """``edge_client.speed``'s runner with the real server coefficients and, optionally, a given data set."""
     from edge_client.data import ArrayDataset, BatchSampler
+    from edge_client.speed import LR, _Runner
 
     runner = _Runner(label, spec, algorithm, batch, seed)
     if data is not None:

@@ -5,7 +5,7 @@ edge_client training modules), builds the same synthetic MNIST-sized local data 
 of ``edge-server simulate``), then trains two rounds of ``steps`` steps at batch 64 on the TACO CNN, one thread:
 
 * ``client``: the client runtime's training path, ``FlatModel`` + ``edge_client.trainer.train_local`` with the
-  algorithm's client half and the coefficients its server half sends (via ``edge_client.benchmark``'s runner);
+  algorithm's client half and the coefficients its server half sends (via ``edge_client.speed``'s runner);
 * ``bare``: ``torch.optim.SGD`` on the same ``nn.Module``, same batches.
 
 Each worker reports ``ru_maxrss`` (peak RSS) and its RSS just before training. Configurations are interleaved over
@@ -61,7 +61,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import edge_client.algorithms
-    import edge_client.benchmark
+    import edge_client.speed
     import edge_client.trainer
     from edge_client.data import BatchSampler
     from edge_client.models import build_model
@@ -91,7 +91,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         from edge_client.data import ArrayDataset
 
         edge_client.trainer.prepare_process(1)
-        runner = edge_client.benchmark._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
+        runner = edge_client.speed._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(n, BATCH, 0, f"bench-{cfg['algorithm']}")
         runner.params = dict(cfg["params"])
@@ -138,7 +138,7 @@ def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[s
 
     size = num_params(build_model(SPEC))
     real, _ = real_instructions(algorithm, SPEC, size, steps, BATCH, LR, samples)
-    from edge_client.benchmark import DEFAULT_PARAMS
+    from edge_client.speed import DEFAULT_PARAMS
 
     params, arrays = real if real is not None else (dict(DEFAULT_PARAMS), {})
     return {

@@ -86,7 +86,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 def cmd_benchmark(args: argparse.Namespace) -> int:
     import json
 
-    from edge_client.benchmark import DEFAULT_MODELS, benchmark, format_table
+    from edge_client.speed import DEFAULT_MODELS, benchmark, format_table
 
     models = None
     if args.models:

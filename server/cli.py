@@ -65,7 +65,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
 
 def _config(args: argparse.Namespace) -> RunConfig:
     """The validated configuration, the algorithm and its parameters included, before anything is started."""
-    from server.simulate import root_size
+    from server.experiments.simulate import root_size
 
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
@@ -123,8 +123,8 @@ def _print_partition(bundle: Any, scheme: str, table: str) -> None:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset
-    from server.simulate import client_ids, prepare_shards
+    from server.experiments.datasets import load_dataset
+    from server.experiments.simulate import client_ids, prepare_shards
 
     ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
     bundle = load_dataset(args.dataset, seed=args.seed)
@@ -135,10 +135,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset
-    from server.inprocess import run_inprocess
+    from server.experiments.datasets import load_dataset
+    from server.experiments.inprocess import run_inprocess
+    from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
     from server.progress import RoundProgress
-    from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
 
     config = _config(args)
     out_dir = Path(config.run.out)
@@ -162,9 +162,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.datasets import load_dataset
+    from server.experiments.datasets import load_dataset
+    from server.experiments.simulate import make_orchestrator, split_clients
     from server.progress import RoundProgress
-    from server.simulate import make_orchestrator, split_clients
 
     config = _config(args)
     out_dir = Path(config.run.out)
@@ -183,8 +183,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from server.bench import run_suite
-    from server.suites import load_suite, shipped
+    from server.experiments.runner import run_suite
+    from server.experiments.suites import load_suite, shipped
 
     if args.list:
         for name in shipped():

@@ -27,10 +27,17 @@ from edge_client.protocol import Update
 from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, from_dict
-from server.datasets import load_dataset
 from server.evaluation import Evaluator
+from server.experiments.datasets import load_dataset
+from server.experiments.simulate import (
+    ClientLogin,
+    client_ids,
+    prepare_shards,
+    split_clients,
+    start_clients,
+    stop_clients,
+)
 from server.orchestrator import Orchestrator
-from server.simulate import ClientLogin, client_ids, prepare_shards, split_clients, start_clients, stop_clients
 
 CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]

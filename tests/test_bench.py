@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from server.bench_report import accuracy_table, compute_table, freeloader_table, time_table
 from server.config import ConfigError
-from server.suites import load_suite, parse_suite, shipped
+from server.experiments.suites import load_suite, parse_suite, shipped
+from server.experiments.tables import accuracy_table, compute_table, freeloader_table, time_table
 
 PAPER_SUITES = ["taco-fmnist", "taco-adult", "fedumf-mnist", "drag-mnist", "fedveca-mnist"]
 

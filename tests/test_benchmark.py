@@ -1,4 +1,4 @@
-"""edge_client.benchmark: structure of the results, no timing assertions (timings depend on the machine)."""
+"""edge_client.speed: structure of the results, no timing assertions (timings depend on the machine)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from edge_client.algorithms import CLIENT_ALGORITHMS
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.benchmark import benchmark, format_table
+from edge_client.speed import benchmark, format_table
 
 MLP = {"name": "mlp", "in_features": 64, "num_classes": 10}
 

@@ -8,8 +8,8 @@ from conftest import in_ci
 
 from edge_client.data import load_local_data
 from edge_client.models import build_model
-from server import datasets
-from server.datasets import (
+from server.experiments import datasets
+from server.experiments.datasets import (
     DatasetBundle,
     DatasetNotInstalled,
     format_histograms,

@@ -32,11 +32,18 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker, BrokerSettings
 from server.config import ConfigError
-from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.inprocess import LocalBus, LocalLink
+from server.experiments.datasets import load_dataset
+from server.experiments.inprocess import LocalBus, LocalLink
+from server.experiments.simulate import (
+    ClientLogin,
+    client_ids,
+    client_state_dirs,
+    prepare_shards,
+    start_clients,
+    stop_clients,
+)
 from server.orchestrator import Orchestrator, resumes
-from server.simulate import ClientLogin, client_ids, client_state_dirs, prepare_shards, start_clients, stop_clients
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Instructions, pack_state, unpack_state
 

@@ -11,9 +11,9 @@ from conftest import make_config
 from edge_client.protocol import Presence, encode
 from edge_client.transport import LinkConfig
 from server.broker import Broker
-from server.datasets import load_dataset
-from server.inprocess import LocalBus, LocalLink, run_inprocess
-from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes
+from server.experiments.datasets import load_dataset
+from server.experiments.inprocess import LocalBus, LocalLink, run_inprocess
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 
 
 def _accuracies(out: Path) -> list[float]:

@@ -23,8 +23,8 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
 from server.config import RunConfig, from_dict
-from server.datasets import load_dataset
 from server.evaluation import Evaluator
+from server.experiments.datasets import load_dataset
 from server.orchestrator import Orchestrator, RoundState
 from server.strategies import ServerContext, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg

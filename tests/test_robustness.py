@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import Hooks
 
-from server.datasets import load_dataset
-from server.simulate import behaviours
+from server.experiments.datasets import load_dataset
+from server.experiments.simulate import behaviours
 
 pytestmark = pytest.mark.integration
 

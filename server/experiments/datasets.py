@@ -1,4 +1,4 @@
-"""Data sets the server can use without any download, per-client shards; the partitioners live in server.partitions.
+"""Data sets the server can use without any download, and per-client shards; partitioners are in partitions.py.
 
 Where each packaged data set lives (RESEARCH.md section 2; docs/datasets.md has the sizes and encodings):
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.data import ArrayDataset, load_idx_pair, prepare_images
-from server.partitions import partition
+from server.experiments.partitions import partition
 
 __all__ = [
     "BUILTIN_DATASETS",

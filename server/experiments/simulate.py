@@ -21,7 +21,8 @@ from typing import Any
 from edge_client.data import ArrayDataset
 from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
-from server.datasets import (
+from server.evaluation import Evaluator
+from server.experiments.datasets import (
     DatasetBundle,
     format_histograms,
     label_histograms,
@@ -29,7 +30,6 @@ from server.datasets import (
     split_root,
     write_shards,
 )
-from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundObserver, resumes
 from server.strategies import TrainSettings, make_strategy
 

@@ -26,7 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from server.suites import Suite
+from server.experiments.suites import Suite
 
 Table = tuple[list[str], list[list[str]]]
 

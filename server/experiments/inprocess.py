@@ -27,9 +27,9 @@ from edge_client.topics import Topics
 from edge_client.trainer import prepare_process
 from edge_client.transport import Inbox, LinkConfig
 from server.config import RunConfig
-from server.datasets import DatasetBundle
+from server.experiments.datasets import DatasetBundle
+from server.experiments.simulate import behaviours, client_ids, client_state_dirs, make_orchestrator, roles_summary
 from server.orchestrator import RoundObserver
-from server.simulate import behaviours, client_ids, client_state_dirs, make_orchestrator, roles_summary
 
 log = logging.getLogger("edgefl.inprocess")
 

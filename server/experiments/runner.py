@@ -22,11 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edge_client.transport import LinkConfig
-from server.bench_report import write_report
-from server.datasets import DatasetBundle, load_dataset
-from server.inprocess import run_inprocess
-from server.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
-from server.suites import RunSpec, Suite
+from server.experiments.datasets import DatasetBundle, load_dataset
+from server.experiments.inprocess import run_inprocess
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
+from server.experiments.suites import RunSpec, Suite
+from server.experiments.tables import write_report
 
 log = logging.getLogger("edgefl.bench")
 

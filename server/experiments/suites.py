@@ -108,7 +108,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def shipped() -> list[str]:
     """Names of the suites that ship with edgefl."""
     return sorted(
-        p.name[:-5] for p in resources.files("server").joinpath("suites").iterdir() if p.name.endswith(".toml")
+        p.name[:-5]
+        for p in resources.files("server.experiments").joinpath("suites").iterdir()
+        if p.name.endswith(".toml")
     )
 
 
@@ -172,7 +174,7 @@ def load_suite(name: str | None = None, path: str | Path | None = None) -> Suite
     if name is not None:
         if name not in shipped():
             raise ConfigError(f"unknown suite {name!r}; shipped suites: {', '.join(shipped())} (or --config FILE)")
-        text = resources.files("server").joinpath("suites", f"{name}.toml").read_text()
+        text = resources.files("server.experiments").joinpath("suites", f"{name}.toml").read_text()
         where = f"suite {name}"
     else:
         file = Path(path).expanduser()  # type: ignore[arg-type]
