@@ -7,6 +7,7 @@ flattening order (``model.parameters()``) is the single contract between client 
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -170,11 +171,40 @@ def predict_labels(model: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
     return rule(outputs) if rule is not None else outputs.argmax(1)
 
 
+#: Spec keys every model accepts: inputs become ``(x - input_mean) / input_std`` before the model sees them.
+STANDARDIZE_KEYS = ("input_mean", "input_std")
+
+
+def _standardizer(name: str, mean: Any, std: Any) -> Any:
+    """A forward pre-hook standardising the input, so training, evaluation and the ONNX export (which traces the hook)
+    all take the raw ``[0, 1]`` images a device stores; a scalar or one value per channel (dimension 1)."""
+
+    def values(key: str, v: Any) -> torch.Tensor:
+        items = v if isinstance(v, Sequence) and not isinstance(v, str) else [v]
+        ok = len(items) > 0 and all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in items)
+        t = torch.tensor([float(f) for f in items] if ok else [math.nan])
+        if not bool(torch.isfinite(t).all()) or (key == "input_std" and not bool((t > 0).all())):
+            want = "numbers > 0" if key == "input_std" else "finite numbers"
+            raise ValueError(f"model {name!r}: key {key!r} must be a number or a list of {want}, got {v!r}")
+        return t
+
+    m, s = values("input_mean", mean), values("input_std", std)
+    per_channel = max(m.numel(), s.numel()) > 1  # decided here: a tensor test inside the hook would break tracing
+
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        shape = (1, -1) + (1,) * (x.dim() - 2) if per_channel else ()
+        return ((x - m.reshape(shape)) / s.reshape(shape), *args[1:])
+
+    return hook
+
+
 def build_model(spec: Mapping[str, Any]) -> nn.Module:
     """Build a model from a config/wire spec ``{"name": ..., **kwargs}`` with errors that name the bad key."""
     if not isinstance(spec, Mapping):
         raise ValueError(f"model spec must be a mapping with a 'name' key, got {type(spec).__name__}")
     kwargs = dict(spec)
+    standardize = {k: kwargs.pop(k) for k in STANDARDIZE_KEYS if k in kwargs}
     name = kwargs.pop("name", None)
     if name not in MODELS:
         raise ValueError(f"model 'name' = {name!r} is not known; valid names: {', '.join(sorted(MODELS))}")
@@ -195,7 +225,12 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         if not ok:
             want = "a list of positive integers" if key == "hidden" else "a positive integer"
             raise ValueError(f"model {name!r}: key {key!r} must be {want}, got {value!r}")
-    return cls(**kwargs)
+    model = cls(**kwargs)
+    if standardize:
+        model.register_forward_pre_hook(
+            _standardizer(name, standardize.get("input_mean", 0.0), standardize.get("input_std", 1.0))
+        )
+    return model
 
 
 def num_params(model: nn.Module) -> int:

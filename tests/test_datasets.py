@@ -11,6 +11,7 @@ from edge_client.models import build_model
 from server.experiments import datasets
 from server.experiments.datasets import (
     DatasetBundle,
+    STANDARDIZE,
     DatasetNotInstalled,
     format_histograms,
     label_histograms,
@@ -44,7 +45,7 @@ def test_mnist():
     assert b.train.x.dtype == np.float32 and b.train.x.min() == 0.0 and b.train.x.max() == 1.0
     assert np.bincount(b.train.y).tolist() == MNIST_TRAIN_COUNTS
     assert len(b.test.y) == 10000 and b.num_classes == 10
-    assert b.model == {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}
+    assert b.model == {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28, **STANDARDIZE["mnist"]}
     b.train.x[0] = 5.0  # callers get their own arrays: the cache is not affected
     assert load_dataset("mnist").train.x[0].max() <= 1.0
 
@@ -186,7 +187,7 @@ def test_fmnist():
     b = require_package_data("fmnist")
     assert b.train.x.shape == (60000, 1, 28, 28) and b.test.x.shape == (10000, 1, 28, 28)
     assert np.bincount(b.train.y).tolist() == [6000] * 10 and np.bincount(b.test.y).tolist() == [1000] * 10
-    assert b.model == {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}
+    assert b.model == {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28, **STANDARDIZE["fmnist"]}
     parts = partition_bundle(b, 20, "taco-groups", seed=0)
     assert sum(len(p) for p in parts) == 60000
 
@@ -212,7 +213,7 @@ def test_shakespeare():
 
 def test_mnist_parity_keeps_digits_for_partitioning():
     b = load_dataset("mnist-parity")
-    assert b.model == {"name": "svm", "in_features": 784} and b.num_classes == 2
+    assert b.model == {"name": "svm", "in_features": 784, **STANDARDIZE["mnist"]} and b.num_classes == 2
     np.testing.assert_array_equal(b.train.y, b.partition_labels % 2)
     assert np.bincount(b.partition_labels).tolist() == MNIST_TRAIN_COUNTS
     parts = partition_bundle(b, 5, "fedveca-case:2", seed=0)  # client i gets digits i and i + 5

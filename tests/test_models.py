@@ -56,9 +56,29 @@ def test_build_model():
     assert mlp(torch.zeros(2, 64)).shape == (2, 10)
 
 
+def test_input_standardisation_per_value_and_per_channel():
+    base = {"name": "cnn", "in_channels": 3, "num_classes": 10, "image_size": 16}
+    torch.manual_seed(0)
+    plain = build_model(base)
+    x = torch.rand(4, 3, 16, 16)
+    mean, std = torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.25, 0.3])
+    for m, s in ((0.3, 0.2), (mean, std)):
+        torch.manual_seed(0)
+        spec = {**base, "input_mean": m.tolist() if torch.is_tensor(m) else m}
+        spec["input_std"] = s.tolist() if torch.is_tensor(s) else s
+        model = build_model(spec)
+        shape = (1, 3, 1, 1) if torch.is_tensor(m) else ()
+        expected = plain((x - torch.as_tensor(m).reshape(shape)) / torch.as_tensor(s).reshape(shape))
+        assert torch.allclose(model(x), expected, atol=1e-6)
+        assert not torch.allclose(model(x), plain(x), atol=1e-3)  # it really changes the input
+        assert num_params(model) == num_params(plain)  # no trainable parameters added
+
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
+        ({"name": "cnn", "input_std": 0.0}, ["input_std", "> 0"]),
+        ({"name": "cnn", "input_mean": "x"}, ["input_mean"]),
         ({"name": "resnet"}, ["'name'", "cnn", "mlp"]),
         ({"num_classes": 10}, ["'name'", "cnn", "mlp"]),
         ({"name": "cnn", "channels": 1}, ["channels", "in_channels", "image_size"]),

@@ -26,12 +26,19 @@ SPECS: dict[str, dict[str, Any]] = {
     "cnn-32x32x3": {"name": "cnn", "in_channels": 3, "num_classes": 10, "image_size": 32},
     "mlp-digits": {"name": "mlp", "in_features": 64, "num_classes": 10},
     "fedveca-cnn-28x28x1": {"name": "fedveca-cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
-}
+    # the input standardisation (a forward pre-hook) must be traced into the export: one value, and per channel
+    "cnn-28x28x1-std": {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28, "input_mean": 0.13,
+                        "input_std": 0.31},
+    "cnn-32x32x3-std": {"name": "cnn", "in_channels": 3, "num_classes": 10, "image_size": 32,
+                        "input_mean": [0.5, 0.4, 0.3], "input_std": [0.2, 0.25, 0.3]},
+}  # fmt: skip
 SHAPES = {
     "cnn-28x28x1": (1, 28, 28),
     "cnn-32x32x3": (3, 32, 32),
     "mlp-digits": (64,),
     "fedveca-cnn-28x28x1": (1, 28, 28),
+    "cnn-28x28x1-std": (1, 28, 28),
+    "cnn-32x32x3-std": (3, 32, 32),
 }
 # Models whose outputs are not 10-class logits of real-valued inputs: their own parity test below.
 OTHER_SPECS = {

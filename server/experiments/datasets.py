@@ -74,6 +74,17 @@ class DatasetBundle:
     #: per training sample, the labels the partition schemes split by when they differ from ``train.y``
     #: (mnist-parity: the digit, because FedVeca's cases are defined on digits)
     partition_labels: np.ndarray | None = None
+    #: the input standardisation of image data sets (``STANDARDIZE``), part of ``model`` and of any model the
+    #: configuration names instead
+    input_stats: dict[str, float] = field(default_factory=dict)
+
+
+#: Per-channel mean and standard deviation of each image data set's training images in [0, 1] (computed from them),
+#: written into its default model spec so the model standardises its input as torchvision's ``Normalize`` would.
+STANDARDIZE: dict[str, dict[str, float]] = {
+    "mnist": {"input_mean": 0.1307, "input_std": 0.3081},
+    "fmnist": {"input_mean": 0.2860, "input_std": 0.3530},
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -104,7 +115,8 @@ def _load_mnist() -> DatasetBundle:
         train=ArrayDataset(prepare_images(xtr), ytr),
         test=ArrayDataset(prepare_images(xte), yte),
         num_classes=10,
-        model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
+        model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28, **STANDARDIZE["mnist"]},
+        input_stats=STANDARDIZE["mnist"],
     )
 
 
@@ -116,7 +128,8 @@ def _load_mnist_parity() -> DatasetBundle:
         train=ArrayDataset(prepare_images(xtr), ytr % 2),
         test=ArrayDataset(prepare_images(xte), yte % 2),
         num_classes=2,
-        model={"name": "svm", "in_features": 784},
+        model={"name": "svm", "in_features": 784, **STANDARDIZE["mnist"]},
+        input_stats=STANDARDIZE["mnist"],
         partition_labels=np.asarray(ytr, dtype=np.int64),
     )
 
@@ -143,6 +156,8 @@ def _load_fmnist(directory: Path | None) -> DatasetBundle:
         directory = found[0]
     bundle = _load_path(directory)
     bundle.name = "fmnist"
+    bundle.model.update(STANDARDIZE["fmnist"])
+    bundle.input_stats = STANDARDIZE["fmnist"]
     return bundle
 
 

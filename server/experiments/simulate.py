@@ -93,7 +93,7 @@ def make_orchestrator(
     extra: dict[str, Any] | None = None,
 ) -> Orchestrator:
     """The server for ``bundle``: the configured model (or the data set's default), evaluated on its test split."""
-    spec = config.model or bundle.model
+    spec = {**bundle.input_stats, **config.model} if config.model else bundle.model
     summary_extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
     return Orchestrator(
         config,
