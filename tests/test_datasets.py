@@ -10,8 +10,8 @@ from edge_client.data import load_local_data
 from edge_client.models import build_model
 from server.experiments import datasets
 from server.experiments.datasets import (
-    DatasetBundle,
     STANDARDIZE,
+    DatasetBundle,
     DatasetNotInstalled,
     format_histograms,
     label_histograms,
