@@ -5,7 +5,7 @@ edge_client training modules), builds the same synthetic MNIST-sized local data 
 of ``edge-server simulate``), then trains two rounds of ``steps`` steps at batch 64 on the TACO CNN, one thread:
 
 * ``client``: the client runtime's training path, ``FlatModel`` + ``edge_client.trainer.train_local`` with the
-  algorithm's client half and the coefficients its server half sends (via ``edge_client.speed``'s runner);
+  algorithm's client half and the plan of the assignment its server half sends (via ``edge_client.speed``'s runner);
 * ``bare``: ``torch.optim.SGD`` on the same ``nn.Module``, same batches.
 
 Each worker reports ``ru_maxrss`` (peak RSS) and its RSS just before training. Configurations are interleaved over
@@ -88,14 +88,15 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 F.cross_entropy(model(xb), yb).backward()
                 opt.step()
     else:
+        from benchmarks.client_overhead import use_plan
         from edge_client.data import ArrayDataset
 
         edge_client.trainer.prepare_process(1)
         runner = edge_client.speed._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(n, BATCH, 0, f"bench-{cfg['algorithm']}")
-        runner.params = dict(cfg["params"])
-        runner.arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
+        arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
+        use_plan(runner, edge_client.trainer.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
         if cfg.get("fg_batch"):  # what-if for a suggested fix: the full gradient in smaller batches
             import functools
 
@@ -133,14 +134,11 @@ def _run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[str, Any]:
-    from benchmarks.client_overhead import real_instructions
+    from benchmarks.client_overhead import real_plan
     from edge_client.models import build_model, num_params
 
     size = num_params(build_model(SPEC))
-    real, _ = real_instructions(algorithm, SPEC, size, steps, BATCH, LR, samples)
-    from edge_client.speed import DEFAULT_PARAMS
-
-    params, arrays = real if real is not None else (dict(DEFAULT_PARAMS), {})
+    plan, _ = real_plan(algorithm, SPEC, size, steps, BATCH, LR, samples)
     return {
         "mode": "client",
         "algorithm": algorithm,
@@ -148,9 +146,12 @@ def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[s
         "steps": steps,
         "rounds": rounds,
         "samples": samples,
-        "params": {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        "arrays": sorted(arrays),
-    }
+        "plan": {
+            "settings": plan.settings, "alpha": plan.alpha, "momentum": plan.momentum,
+            "weight_decay": plan.weight_decay,
+        },
+        "arrays": sorted(plan.arrays),
+    }  # fmt: skip
 
 
 def _mb(kb: float) -> float:

@@ -38,9 +38,11 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
+    """``train``: a replacement for the local training (robustness experiments wrap it; devices never do)."""
     from edge_client.data import load_local_data
     from edge_client.runtime import EdgeClient
+    from edge_client.trainer import train_local
 
     dataset = load_local_data(args.data)
     config = _link_config(args, chunk_size=args.chunk_size, keepalive=args.keepalive)
@@ -51,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         job=args.job,
         threads=args.threads,
         state_dir=Path(args.state_dir) if args.state_dir else None,
-        behaviour=args.behaviour,
+        train=train or train_local,
     )
     client.run(max_rounds=args.max_rounds)
     return 0
@@ -144,13 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         help="directory where algorithm state that must survive a restart is kept "
         "(SCAFFOLD's control variate, FedUmf's stored update)",
-    )
-    run.add_argument(
-        "--behaviour",
-        default="honest",
-        help="for robustness experiments only: honest (default), "
-        "freeloader (uploads the last global update, no training) or scale:SIGMA (scales its update by "
-        "p ~ N(0, SIGMA^2))",
     )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
     run.set_defaults(func=cmd_run)

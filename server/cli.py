@@ -64,13 +64,28 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    """The validated configuration, the algorithm and its parameters included, before anything is started."""
-    from server.experiments.simulate import root_size
+    """The validated configuration, the algorithm and its settings included, before anything is started."""
+    from server.assembly import build_strategy
 
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
-    root_size(config)  # builds the strategy: invalid algorithm parameters fail here
+    build_strategy(config)  # checks what a contract alone cannot (e.g. FedVeca's tau_min_reset <= tau_max)
     return config
+
+
+def settings_help() -> str:
+    """Every algorithm's settings as its contract declares them, for the run and simulate ``--help``."""
+    from edge_client.algorithms import CONTRACTS
+    from edge_client.contract import settings_rows
+
+    lines = ["algorithm settings, set in a config file as [algorithm.NAME] SETTING = VALUE (docs/algorithms.md):"]
+    current = ""
+    for algorithm, name, _, default, allowed, meaning in settings_rows(CONTRACTS.values()):
+        if algorithm != current:
+            current = algorithm
+            lines.append(f"  {algorithm}: {CONTRACTS[algorithm].description}")
+        lines.append(f"    {name} = {default}  ({allowed}): {meaning}")
+    return "\n".join(lines)
 
 
 def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -> None:
@@ -135,9 +150,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from server.assembly import split_clients
     from server.experiments.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
-    from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
+    from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -162,8 +178,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from server.assembly import make_orchestrator, split_clients
     from server.experiments.datasets import load_dataset
-    from server.experiments.simulate import make_orchestrator, split_clients
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -235,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a broker, the server and N edge-client processes on this machine, all "
         "talking through the broker exactly as devices would. With no flags: 10 clients train the "
         "TACO CNN on MNIST with FedAvg.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_flags(
         sim,
@@ -260,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run the server for real devices",
         description="Orchestrate rounds for devices that connect to the broker on their own.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_flags(run, {"--min-clients": ("clients__min_clients", int, "clients to wait for before round 1")})
     run.set_defaults(func=cmd_run)

@@ -23,21 +23,20 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge_client.protocol import Update
+from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
+from edge_client.protocol import Assignment, Update
+from edge_client.trainer import TrainResult, plan_for, train_local
 from edge_client.transport import LinkConfig
+from server.admission import Admission, RoundState
+from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
-from server.config import RunConfig, from_dict
-from server.evaluation import Evaluator
+from server.config import RunConfig, TrainSection, from_dict
 from server.experiments.datasets import load_dataset
-from server.experiments.simulate import (
-    ClientLogin,
-    client_ids,
-    prepare_shards,
-    split_clients,
-    start_clients,
-    stop_clients,
-)
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
 from server.orchestrator import Orchestrator
+from server.strategies import Strategy
 
 CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]
@@ -182,11 +181,13 @@ def make_config(
     algorithm_params: dict[str, Any] | None = None,
     partition: str = "iid",
     dataset: str = "digits",
+    model: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
     return from_dict(
         {
+            **({"model": model} if model else {}),
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
             "data": {"dataset": dataset, "partition": partition},
@@ -220,16 +221,7 @@ def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[O
         procs = start_clients(config, broker.url, logins, shards, out)
         started.append(procs)
         link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-        orch = Orchestrator(
-            config,
-            link,
-            Evaluator(bundle.model, bundle.test),
-            bundle.model,
-            out,
-            summary_extra={"dataset": dataset},
-            root=root,
-        )
-        return orch, procs
+        return make_orchestrator(config, bundle, out, link_config=link, root=root), procs
 
     yield build
     for procs in started:
@@ -260,3 +252,25 @@ def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_step
         local_steps=local_steps,
         **{**base, **fields},
     )
+
+
+def train_assignment(
+    flat: FlatModel, dataset: ArrayDataset, sampler: BatchSampler, assignment: Assignment, algorithm: ClientAlgorithm
+) -> TrainResult:
+    """Train on ``assignment`` from its weights as a device does: its plan checked against the contract first."""
+    assert assignment.weights is not None, "the assignment needs the weights to start from"
+    plan = plan_for(assignment, algorithm, flat.size)
+    return train_local(flat, assignment.weights, dataset, sampler, plan, algorithm)
+
+
+def admit(
+    strategy: Strategy, update: Update, *, registered: int | None = None, assigned_steps: int | None = None
+) -> None:
+    """Judge ``update`` as the orchestrator's admission does in the round it names (its client selected, told
+    ``assigned_steps``, registered with ``registered`` samples; both default to what the update claims); raises the
+    ProtocolError that rejects it."""
+    cid = update.client_id
+    steps = update.local_steps if assigned_steps is None else assigned_steps
+    state = RoundState(update.round, update.model_version, {cid}, assigned_steps={cid: steps})
+    gate = Admission(strategy.contract, strategy.params, strategy.ctx.num_params, TrainSection.max_update_norm)
+    gate.check(cid, update, state, update.num_samples if registered is None else registered, update.run_id)

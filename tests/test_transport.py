@@ -20,6 +20,7 @@ import pytest
 from edge_client import chunking
 from edge_client.protocol import (
     Assignment,
+    Failure,
     Hello,
     Message,
     MessageTooLarge,
@@ -150,6 +151,7 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
     upward: list[Message] = [
         Hello(client_id="c1", num_samples=1797, device={"hostname": "pi", "cpu_count": 4, "temp_c": 51.5}),
         make_update("c1", 1000),
+        Failure(round=3, client_id="c1", reason="train_error", detail="out of memory", run_id="run-1"),
         Presence(client_id="c1", online=False, reason="connection lost"),
     ]
     for msg in upward:
@@ -170,15 +172,18 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
         model={"name": "mlp", "in_features": 64, "num_classes": 10},
         weights=np.linspace(-1, 1, 5000, dtype=np.float32),
         alpha=0.5,
-        params={"mu": 0.01},
+        settings={"zeta": 0.01},
         arrays={"c": np.ones(4, dtype=np.float32)},
+        momentum=0.5,
+        weight_decay=5e-4,
         upload=False,
         seed=7,
+        run_id="run-1",
     )
     downward: list[tuple[str, Message]] = [
         (topics.down("c1"), assignment),
         (topics.down("c1"), Stop(reason="you are done")),
-        (topics.broadcast, Stop(reason="training finished")),
+        (topics.broadcast, Stop(reason="training finished", run_id="run-1")),
         (topics.server, Presence(client_id="server", online=True, role="server")),
     ]
     for topic, msg in downward:
