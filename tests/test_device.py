@@ -7,7 +7,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -173,15 +172,17 @@ def test_snapshot_with_no_sensors_at_all(monkeypatch: pytest.MonkeyPatch, tmp_pa
     json.dumps(snap)
 
 
-def test_snapshot_is_cheap_without_vcgencmd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_snapshot_runs_no_subprocess_without_vcgencmd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What keeps a snapshot cheap (well under a millisecond): without vcgencmd it starts no process."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    device.snapshot()
-    times = []
-    for _ in range(21):
-        t0 = time.perf_counter()
-        device.snapshot()
-        times.append(time.perf_counter() - t0)
-    assert sorted(times)[10] < 0.025  # ~1 ms here; the budget is 5 ms, loose for loaded CI machines
+    monkeypatch.setattr(device, "_vcgencmd", device._UNKNOWN)
+
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"snapshot started a process: {args}")
+
+    monkeypatch.setattr(device.subprocess, "run", no_process)
+    for _ in range(3):
+        assert device.snapshot()["throttled"] is None
 
 
 def test_peak_rss_is_in_mib() -> None:
