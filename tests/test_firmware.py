@@ -376,12 +376,18 @@ def test_offline_install_from_wheel_dir(tmp_path: Path) -> None:
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", REPO, "-w", wheels)
     root = new_root(tmp_path)
     for _ in range(2):
-        install(root, "--wheels", wheels, "--no-deps", "--no-start")
+        install(root, "--wheels", wheels, "--no-deps", "--no-start", "--no-check")
     venv = root / "opt/edgefl/venv"
     assert os.access(venv / "bin/edge-client", os.X_OK)
     shown = run(venv / "bin/python", "-m", "pip", "show", "edgefl").stdout
     assert re.search(r"^Version: \d", shown, re.M)
     assert list((venv / "lib").glob("python3*/site-packages/edge_client/cli.py"))
+    # without --no-check the installer ends with edge-client check; here it fails (no broker, no data, and
+    # --no-deps left numpy out), so the device is installed but reported not ready, with exit status 1
+    result = install(root, "--wheels", wheels, "--no-deps", "--no-start", check=False)
+    assert result.returncode == 1, result.stderr
+    assert "edge-client check" in result.stderr and "NOT READY" in result.stderr
+    assert (root / UNIT).exists()
 
 
 def test_uninstall_keeps_identity_unless_purged(tmp_path: Path) -> None:
