@@ -252,6 +252,35 @@ def render(data: dict[str, Any]) -> str:
             f"| `edge-client {name}` | {row['peak_rss_mb']:.1f} | {'yes' if row['torch_imported'] else 'no'} | "
             f"{row['peak_rss_mb']:.1f} MiB | < {INFERENCE_MAX_MB:.0f} MiB, no torch | {row['status']} |"
         )
+    lines += ["", "### Misses: measured cause and next step", ""]
+    missed = [name for name, row in rows.items() if row.get("status") == "MISS"]
+    if not missed:
+        lines.append("None in this run.")
+    run, what_if = rows["run"], rows["run, without the optimiser warm-up"]
+    if run["status"] == "MISS":
+        lines.append(
+            f"- `edge-client run` peaks at {run['peak_rss_mb']:.1f} MiB, {run['ratio_to_baseline']:.3f}x the baseline. "
+            f"The what-if row, the same command with `edge_client.trainer.prepare_process` minus its "
+            f"`torch.optim.SGD` warm-up, peaks at {what_if['peak_rss_mb']:.1f} MiB "
+            f"({what_if['peak_rss_mb'] - run['peak_rss_mb']:+.1f} MiB): constructing a torch optimiser imports "
+            "torch._dynamo (and sympy, about 800 modules) on its first call, and the client's own SGD step never "
+            "needs it. Next step: drop that line from `prepare_process`. The rest is training itself: one forward "
+            f"and backward pass takes the process to {ref:.1f} MiB, {ref / base:.3f}x the baseline (torch's kernels "
+            "paged in, activations, allocator), and the run without the warm-up is "
+            f"{what_if['peak_rss_mb'] / ref:.3f}x that reference."
+            + (
+                " A target over a baseline without any training step cannot be met by a client that trains; the "
+                "reference row is the baseline a client can be held to."
+                if what_if["status"] == "MISS"
+                else ""
+            )
+        )
+    for name in ("predict", "fetch-model"):
+        if rows[name]["status"] == "MISS":
+            lines.append(
+                f"- `edge-client {name}`: {rows[name]['peak_rss_mb']:.1f} MiB, torch imported: "
+                f"{rows[name]['torch_imported']}."
+            )
     return "\n".join(lines) + "\n"
 
 

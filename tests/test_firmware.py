@@ -460,7 +460,16 @@ def test_qemu_smoke_is_documented() -> None:
     readme = (FW / "README.md").read_text()
     for script in SCRIPTS:
         assert f"## {script.name}" in readme, f"firmware_scripts/README.md has no section for {script.name}"
-    assert "QEMU_CPU" in readme and "cortex-a72" in readme
+    assert "qemu-aarch64 -cpu cortex-a72 -L ROOT" in readme and "No binfmt_misc entry is registered" in readme
+    assert "### Last run" in readme, "the release check's record of its last run"
+
+
+def test_qemu_smoke_registers_no_binfmt_and_mounts_nothing() -> None:
+    """The emulator is called explicitly: the script never touches binfmt_misc, mounts or kernel settings."""
+    code = "\n".join(line for line in QEMU_SMOKE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    for forbidden in ("update-binfmts", "/proc/sys", "mount -t", "sysctl", "chroot "):
+        assert forbidden not in code, forbidden
+    assert "--no-install-recommends" in code  # qemu-user recommends qemu-user-binfmt
 
 
 # --- a provisioned broker against a real mosquitto -----------------------------------------------------------------
