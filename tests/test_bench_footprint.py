@@ -18,6 +18,7 @@ def test_quick_run_measures_each_command_in_its_own_process(tmp_path: Path) -> N
 
     rows = data["footprint"]["rows"]
     assert set(rows) == {
+        "interpreter",
         "baseline",
         "baseline + one training step",
         "run",
