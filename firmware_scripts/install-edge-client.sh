@@ -284,7 +284,11 @@ elif [ "$START" -eq 1 ]; then
         systemctl restart "$UNIT"
         log "$UNIT (re)started; logs: journalctl -u $UNIT -f"
     else
-        log "$UNIT enabled, not started: fix what edge-client check reports, run it again, then systemctl start $UNIT"
+        if [ "$READY" -eq 0 ]; then
+            log "$UNIT enabled, not started: fix what edge-client check reports, check again, then systemctl start $UNIT"
+        else
+            log "$UNIT enabled; put the password in $CONFDIR/password and data at $DATA, then systemctl start $UNIT"
+        fi
     fi
 else
     systemctl daemon-reload
