@@ -59,6 +59,16 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """One line per item (edge_client/check.py); exit status 0 when the device is ready, 1 when not."""
+    from edge_client.check import check_all, report
+
+    def config() -> LinkConfig:  # called inside the broker item: an unreadable password file is a FAIL line
+        return _link_config(args, session_expiry_s=0, connect_timeout_s=args.timeout)
+
+    return report(check_all(config, args.client_id, args.job, args.data), args.client_id, args.job)
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     """Inference with onnxruntime only: torch is never imported on this path."""
     import numpy as np
@@ -160,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--out", default="model.onnx", help="where to write the model (default model.onnx)")
     fetch.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the model (default 30)")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    check = sub.add_parser(
+        "check",
+        parents=[connection],
+        help="is this device ready? broker login, ACL, data, torch and onnxruntime on this CPU, device metrics",
+        description="Check, one line per item, that the broker accepts this device's login, that its ACL lets the "
+        "device publish its updates, that the data loads, that torch and onnxruntime run on this CPU, and show "
+        "the device's metrics. Exit status 0: ready; 1: something to fix.",
+    )
+    check.add_argument("--data", help="this device's data file or directory to check (as edge-client run --data)")
+    check.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
+    check.set_defaults(func=cmd_check)
 
     predict = sub.add_parser(
         "predict",

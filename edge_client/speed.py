@@ -15,6 +15,7 @@ code here.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import tempfile
@@ -152,6 +153,11 @@ def benchmark(
 
     if steps < 1 or repeats < 1 or batch_size < 1 or threads < 1:
         raise ValueError("steps, batch_size, repeats and threads must all be >= 1")
+    if inference and importlib.util.find_spec("onnx") is None:  # a device installs onnxruntime, not onnx
+        log.warning(
+            "ONNX inference latency not measured: exporting the model needs the onnx package (pip install onnx)"
+        )
+        inference = False
     if model_specs is None:
         model_specs = DEFAULT_MODELS
     labelled: list[tuple[str, dict[str, Any]]] = []

@@ -79,8 +79,7 @@ def prepare_process(threads: int) -> None:
     with contextlib.suppress(RuntimeError):  # already set, or parallel work already ran in this process
         torch.set_num_interop_threads(1)
     probe = torch.zeros(1, requires_grad=True)
-    (probe * 2).sum().backward()
-    torch.optim.SGD([probe], lr=0.1)
+    (probe * 2).sum().backward()  # not torch.optim: the loop never uses it, and it imports torch._dynamo (69 MiB)
 
 
 def train_local(

@@ -195,6 +195,9 @@ class MqttLink(Inbox):
         self._lock = threading.Condition()
         self._pending: set[int] = set()
         self._acked_early: set[int] = set()
+        #: publishes the broker acknowledged with a failure (MQTT 5 PUBACK >= 0x80, e.g. an ACL's "Not authorized"),
+        #: by reason; such a message was dropped by the broker, although it counts as published
+        self.refused_publishes: Counter[str] = Counter()
 
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=mqtt_client_id, protocol=MQTTProtocolVersion.MQTTv5)
         client.max_queued_messages_set(config.max_queued)
@@ -276,7 +279,11 @@ class MqttLink(Inbox):
         self._offer(msg.topic, msg.payload)
 
     def _handle_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.warning("the broker refused publish %d: %s", mid, reason_code)
         with self._lock:
+            if reason_code.is_failure:
+                self.refused_publishes[str(reason_code)] += 1
             if mid in self._pending:
                 self._pending.discard(mid)
             else:  # paho may acknowledge before publish() has returned the mid to us

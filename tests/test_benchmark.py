@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any, ClassVar
 
 import numpy as np
@@ -120,3 +121,12 @@ def test_bad_arguments() -> None:
         benchmark([MLP], ["no-such-algorithm"], steps=1, repeats=1, inference=False)
     with pytest.raises(ValueError, match=">= 1"):
         benchmark([MLP], ["fedavg"], steps=0)
+
+
+def test_without_onnx_the_training_figures_still_come(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A device has onnxruntime but not onnx (needed to export): the benchmark says so instead of failing."""
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    with caplog.at_level("WARNING"):
+        results = benchmark([MLP], ["fedavg"], steps=2, batch_size=8, repeats=1, inference_repeats=2)
+    assert results[0]["s_per_100"] > 0 and results[0]["inference"] is None
+    assert "needs the onnx package" in caplog.text

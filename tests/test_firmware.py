@@ -376,12 +376,18 @@ def test_offline_install_from_wheel_dir(tmp_path: Path) -> None:
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", REPO, "-w", wheels)
     root = new_root(tmp_path)
     for _ in range(2):
-        install(root, "--wheels", wheels, "--no-deps", "--no-start")
+        install(root, "--wheels", wheels, "--no-deps", "--no-start", "--no-check")
     venv = root / "opt/edgefl/venv"
     assert os.access(venv / "bin/edge-client", os.X_OK)
     shown = run(venv / "bin/python", "-m", "pip", "show", "edgefl").stdout
     assert re.search(r"^Version: \d", shown, re.M)
     assert list((venv / "lib").glob("python3*/site-packages/edge_client/cli.py"))
+    # without --no-check the installer ends with edge-client check; here it fails (no broker, no data, and
+    # --no-deps left numpy out), so the device is installed but reported not ready, with exit status 1
+    result = install(root, "--wheels", wheels, "--no-deps", "--no-start", check=False)
+    assert result.returncode == 1, result.stderr
+    assert "edge-client check" in result.stderr and "NOT READY" in result.stderr
+    assert (root / UNIT).exists()
 
 
 def test_uninstall_keeps_identity_unless_purged(tmp_path: Path) -> None:
@@ -454,7 +460,16 @@ def test_qemu_smoke_is_documented() -> None:
     readme = (FW / "README.md").read_text()
     for script in SCRIPTS:
         assert f"## {script.name}" in readme, f"firmware_scripts/README.md has no section for {script.name}"
-    assert "QEMU_CPU" in readme and "cortex-a72" in readme
+    assert "qemu-aarch64 -cpu cortex-a72 -L ROOT" in readme and "No binfmt_misc entry is registered" in readme
+    assert "### Last run" in readme, "the release check's record of its last run"
+
+
+def test_qemu_smoke_registers_no_binfmt_and_mounts_nothing() -> None:
+    """The emulator is called explicitly: the script never touches binfmt_misc, mounts or kernel settings."""
+    code = "\n".join(line for line in QEMU_SMOKE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    for forbidden in ("update-binfmts", "/proc/sys", "mount -t", "sysctl", "chroot "):
+        assert forbidden not in code, forbidden
+    assert "--no-install-recommends" in code  # qemu-user recommends qemu-user-binfmt
 
 
 # --- a provisioned broker against a real mosquitto -----------------------------------------------------------------
