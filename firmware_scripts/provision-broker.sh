@@ -73,7 +73,7 @@ bridge_section() {
     shift 5
     local hostport=${url#*://}
     printf '%s\n' "connection edgefl-$user" "address $hostport" "remote_clientid $user" "remote_username $user" \
-        "remote_password $password" "bridge_protocol_version mqttv50" "cleansession false" "local_cleansession false" \
+        "remote_password $password" "bridge_protocol_version mqttv311" "cleansession false" "local_cleansession false" \
         "try_private true" "notifications true" "notifications_local_only true" "restart_timeout 1 30" \
         "keepalive_interval 60" "bridge_max_packet_size $max_packet"
     if [[ $url == mqtts://* ]]; then

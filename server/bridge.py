@@ -4,9 +4,13 @@ A fleet spread over sites keeps one mosquitto per site; the server talks to one 
 forwards its devices' `up` topics to the centre and brings their `down` topics and the job-wide topics back, over
 TLS, logged in with the site's own credentials. Only the listed devices' topics cross: the central broker's ACL
 (`server.acl.site_rules`) allows the site's login nothing else, and the site's own ACL is the usual per-device one.
-Facts this rests on (mosquitto 2.0.11, measured in tests/test_bridge.py and docs/scaling.md): bridges speak MQTT 5
-(`bridge_protocol_version mqttv50`), keep their sessions on both ends (`cleansession false`) so that messages queue
-while the link is down, and are not reloaded by SIGHUP, so a site's device list is fixed when its broker starts.
+Facts this rests on (Debian's mosquitto 2.0.11, measured in tests/test_bridge.py and docs/scaling.md):
+- The bridge speaks MQTT 3.1.1, not 5: a 2.0.11 bridge with `bridge_protocol_version mqttv50` sends no session
+  expiry interval, so the central broker ends its session at every disconnect and whatever the server sends to a
+  site while its link is down is lost. With 3.1.1 and `cleansession false` the centre keeps the session and queues,
+  and the site does the same for its devices' updates (`local_cleansession false`). Nothing edgefl sends needs MQTT 5
+  between brokers; the packet limit a v5 CONNACK would carry is set with `bridge_max_packet_size` instead.
+- mosquitto does not reload bridges on SIGHUP: a site's device list is fixed when its broker starts.
 """
 
 from __future__ import annotations
@@ -61,15 +65,15 @@ def bridge_config(bridge: BridgeSettings, devices: list[str], max_packet_size: i
         f"remote_clientid {bridge.username}",
         f"remote_username {bridge.username}",
         f"remote_password {bridge.password}",
-        "bridge_protocol_version mqttv50",
+        "bridge_protocol_version mqttv311",  # not mqttv50: see the module docstring
         "cleansession false",  # the centre keeps the site's subscriptions and queues its messages across outages
         "local_cleansession false",  # and the site queues its devices' updates while the centre is unreachable
-        "try_private true",  # mosquitto to mosquitto: retained messages (model, server presence) stay retained
+        "try_private true",  # the centre knows a bridge: retained messages (model, presence) stay retained, no loops
         "notifications true",
         "notifications_local_only true",  # bridge state on the site only: the centre's ACL allows the site no $SYS
         "restart_timeout 1 30",
         "keepalive_interval 60",
-        f"bridge_max_packet_size {max_packet_size}",
+        f"bridge_max_packet_size {max_packet_size}",  # the site's own limit: the centre's must be at least as large
     ]
     if tls:
         lines += [f"bridge_cafile {bridge.ca_file}" if bridge.ca_file else f"bridge_capath {SYSTEM_CA_PATH}"]

@@ -17,14 +17,16 @@ from conftest import CHANCE, connect_client, end_federation, start_federation, t
 from paho.mqtt.client import Client
 
 from edge_client.fetch import fetch_model
-from edge_client.transport import LinkConfig
+from edge_client.protocol import Hello, encode
+from edge_client.topics import Topics
+from edge_client.transport import LinkConfig, MqttLink
 from server.acl import acl_rules, site_rules
 from server.bridge import BridgeSettings
 from server.broker import Broker, BrokerSettings
 
 pytestmark = pytest.mark.integration
 
-SITES = {"site-a": ["client-00", "client-01"], "site-b": ["client-02", "client-03"]}
+SITES = {"site-a": ["client-00", "client-01"], "site-b": ["client-02"]}
 JOB = "bridged"
 TIMEOUT = 10.0
 
@@ -88,7 +90,7 @@ def test_clients_on_two_bridged_sites_train_with_the_server_on_the_central_broke
     federation_of_sites: Federation, tmp_path: Path
 ) -> None:
     fed = federation_of_sites
-    orch, procs = start_federation(tmp_path, fed.server_link(), fed.client_broker, JOB, clients=4, rounds=3)
+    orch, procs = start_federation(tmp_path, fed.server_link(), fed.client_broker, JOB, clients=3, rounds=3)
     try:
         summary = orch.run()
     finally:
@@ -105,13 +107,13 @@ def test_clients_on_two_bridged_sites_train_with_the_server_on_the_central_broke
     central_log = fed.central.log_path.read_text()
     assert "u'client-" not in central_log
     for name, site in fed.sites.items():
-        assert f"as {name} (p5, c0" in central_log, "the bridge speaks MQTT 5 with a persistent session"
+        assert "New bridge connected from 127.0.0.1" in central_log and f"as {name} (p2, c0" in central_log
         site_log = site.log_path.read_text()
         assert all(f"u'{cid}'" in site_log for cid in SITES[name])
     # The model retained at the centre crossed the bridge and stayed retained: a device fetches it at its site.
     site_b = fed.sites["site-b"]
-    device = LinkConfig(site_b.url, "client-03", site_b.devices["client-03"].password)
-    meta = fetch_model(device, "client-03", tmp_path / "fetched.onnx", job=JOB, timeout=TIMEOUT)
+    device = LinkConfig(site_b.url, "client-02", site_b.devices["client-02"].password)
+    meta = fetch_model(device, "client-02", tmp_path / "fetched.onnx", job=JOB, timeout=TIMEOUT)
     assert (tmp_path / "fetched.onnx").read_bytes() == (orch.out_dir / "model.onnx").read_bytes()
     assert meta["round"] == max(rows, key=lambda r: r["accuracy"])["round"]
 
@@ -152,3 +154,46 @@ def test_a_site_login_carries_only_its_own_devices(federation_of_sites: Federati
         for client in (watcher, site_a):
             client.disconnect()
             client.loop_stop()
+
+
+def test_messages_wait_while_a_site_or_the_centre_is_down(federation_of_sites: Federation) -> None:
+    """Persistent sessions at both ends of the bridge: an update sent while the centre is down and an assignment sent
+    while the site is down both arrive once the broker is back (mosquitto restarted with its persistence file)."""
+    fed = federation_of_sites
+    site, topics = fed.sites["site-a"], Topics(JOB)
+
+    def server() -> MqttLink:
+        return MqttLink(fed.server_link(), "outage-server", [topics.all_up]).start()
+
+    def device() -> MqttLink:
+        login = LinkConfig(site.url, "client-00", site.devices["client-00"].password)
+        return MqttLink(login, "outage-client-00", [topics.down("client-00")]).start()
+
+    def hello(mark: int) -> bytes:
+        return encode(Hello(client_id="client-00", num_samples=mark))
+
+    centre, dev = server(), device()
+    dev.publish(topics.up("client-00"), hello(1))
+    assert centre.receive(TIMEOUT) is not None  # the bridge is up
+
+    centre.stop()
+    fed.central.stop()
+    dev.publish(topics.up("client-00"), hello(2))
+    assert dev.wait_published(TIMEOUT), "the site accepted the update while the centre was down"
+    fed.central.start()
+    centre = server()
+    received = centre.receive(60)  # the bridge reconnects within its restart_timeout (1-30 s)
+    assert received is not None and received[1].num_samples == 2
+
+    dev.stop()
+    site.stop()
+    centre.publish(topics.down("client-00"), hello(3))
+    assert centre.wait_published(TIMEOUT)
+    site.start()
+    dev = device()
+    try:
+        received = dev.receive(60)
+        assert received is not None and received[1].num_samples == 3, "the centre kept the site's session"
+    finally:
+        dev.stop()
+        centre.stop()
