@@ -16,8 +16,8 @@ Facts this rests on (Debian's mosquitto 2.0.11, measured in tests/test_bridge.py
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from edge_client.transport import LinkConfig
 from server.acl import SHARED_TOPICS
 
 #: Where mosquitto finds the system's CA certificates when the bridge is given no CA file of its own (Debian).
@@ -34,11 +34,8 @@ class BridgeSettings:
     ca_file: str | None = None  # CA of the central broker's certificate; None: the system's CAs
 
     def endpoint(self) -> tuple[str, int, bool]:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-            raise ValueError(f"bridge URL {self.url!r} must look like mqtts://HOST:PORT")
-        tls = parts.scheme == "mqtts"
-        return parts.hostname, parts.port or (8883 if tls else 1883), tls
+        """Host, port and whether TLS is on, parsed as any edgefl broker URL is."""
+        return LinkConfig(self.url).endpoint()
 
 
 def bridge_topics(devices: list[str], job: str = "+") -> list[str]:

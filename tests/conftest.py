@@ -256,6 +256,19 @@ def end_federation(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
     return stop_clients(procs, timeout=20)
 
 
+def run_to_end(orch: Orchestrator, procs: dict[str, subprocess.Popen]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the server to its last round and stop the clients; the summary and the metrics rows.
+
+    Every client must have exited with 0, i.e. on the server's stop message, which crossed whatever brokers lie between.
+    """
+    try:
+        summary = orch.run()
+    finally:
+        codes = end_federation(procs)
+    assert codes == dict.fromkeys(procs, 0), f"client exit codes {codes}: not every client stopped on the stop message"
+    return summary, [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture
 def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[Orchestrator, dict]]]:
     """``build(job, clients=3, rounds=3, ...)``: client processes on the session broker and the server for them."""

@@ -7,13 +7,12 @@ permitted sentinel on the same connection with the same QoS, and MQTT delivers i
 
 from __future__ import annotations
 
-import json
 import queue
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHANCE, connect_client, end_federation, start_federation, throwaway_certificate
+from conftest import CHANCE, connect_client, run_to_end, start_federation, throwaway_certificate
 from paho.mqtt.client import Client
 
 from edge_client.fetch import fetch_model
@@ -91,13 +90,8 @@ def test_clients_on_two_bridged_sites_train_with_the_server_on_the_central_broke
 ) -> None:
     fed = federation_of_sites
     orch, procs = start_federation(tmp_path, fed.server_link(), fed.client_broker, JOB, clients=3, rounds=3)
-    try:
-        summary = orch.run()
-    finally:
-        codes = end_federation(procs)
-    assert codes == dict.fromkeys(procs, 0), "every client exits on the stop message the bridges carried"
+    summary, rows = run_to_end(orch, procs)
     assert summary["final_accuracy"] > CHANCE + 0.5, summary
-    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]
     for row in rows:  # both sites' clients report every round
         assert sorted(row["clients"]) == [c for devices in SITES.values() for c in devices]
@@ -126,6 +120,8 @@ def test_a_site_login_carries_only_its_own_devices(federation_of_sites: Federati
     )
     for site in fed.sites.values():  # the same per-device ACL at the site
         assert site.acl_path.read_text() == acl_rules("edgefl-server")
+    with pytest.raises(RuntimeError, match="does not reload its bridge"):
+        fed.sites["site-b"].add_device("client-09")  # it would not be bridged
     server = fed.central.server
     watcher = fed.central_client(server.username, server.password, "watcher")
     site_a = fed.central_client("site-a", fed.central.sites["site-a"].password, "site-a-probe")
@@ -197,3 +193,10 @@ def test_messages_wait_while_a_site_or_the_centre_is_down(federation_of_sites: F
     finally:
         dev.stop()
         centre.stop()
+
+
+@pytest.mark.parametrize("url", ["mqtt://192.0.2.10:1883", "mqtt://central.example:1883"])
+def test_a_bridge_off_this_machine_without_tls_is_refused(url: str, tmp_path: Path) -> None:
+    bridge = BridgeSettings(url, "site-a", "secret")
+    with pytest.raises(ValueError, match=r"without TLS.*mqtts://"):
+        Broker(tmp_path / "site", BrokerSettings(devices=["d1"], bridge=bridge))

@@ -146,6 +146,7 @@ def test_devices_must_be_a_list_of_strings() -> None:
         ("clients", "min_clients", -1, ">= 0"),
         ("train", "local_steps", 0, ">= 1"),
         ("broker", "chunk_size", 100, ">= 1024"),
+        ("broker", "max_packet_size", 100, ">= 4096"),
     ],
 )
 def test_out_of_range_names_key_range_and_value(section: str, key: str, value: object, expected: str) -> None:
