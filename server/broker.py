@@ -158,6 +158,8 @@ class Broker:
             self.devices[_check_username(client_id)] = Credentials(client_id, secrets.token_urlsafe(24))
         self.sites: dict[str, Credentials] = {}  # central broker: the bridge login of each site
         for site, members in self.settings.sites.items():
+            if site in self.devices or site == self.server.username:
+                raise ValueError(f"site login {site!r} is already the name of a device or of the server")
             self.sites[_check_username(site)] = Credentials(site, secrets.token_urlsafe(24))
             for device in members:
                 _check_username(device)

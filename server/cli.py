@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -11,10 +12,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
+
+if TYPE_CHECKING:
+    from server.bridge import BridgeSettings
 
 log = logging.getLogger("edgefl.server")
 
@@ -98,13 +102,9 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
     b = config.broker
     if b.url:
         password = b.password or os.environ.get("EDGEFL_PASSWORD")
-        limit = b.max_packet_size or None
-        yield (
-            LinkConfig(
-                b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size, max_packet_size=limit
-            ),
-            None,
-        )
+        limit = b.max_packet_size or None  # 0: what the broker advertises
+        link = LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size)
+        yield dataclasses.replace(link, max_packet_size=limit), None
         return
     from server.broker import Broker, BrokerSettings
 
@@ -228,7 +228,7 @@ def _sites(specs: list[str]) -> dict[str, list[str]]:
     return sites
 
 
-def _bridge(args: argparse.Namespace) -> Any:
+def _bridge(args: argparse.Namespace) -> BridgeSettings | None:
     """The site's bridge to the central broker from ``--bridge`` and its login flags; None without ``--bridge``."""
     from server.bridge import BridgeSettings
 
