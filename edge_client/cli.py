@@ -45,7 +45,9 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
     from edge_client.trainer import train_local
 
     dataset = load_local_data(args.data)
-    config = _link_config(args, chunk_size=args.chunk_size, keepalive=args.keepalive)
+    config = _link_config(
+        args, chunk_size=args.chunk_size, keepalive=args.keepalive, max_packet_size=args.max_packet_size or None
+    )
     client = EdgeClient(
         args.client_id,
         dataset,
@@ -152,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="bytes per MQTT message chunk")
     run.add_argument("--keepalive", type=int, default=60, help="MQTT keepalive seconds (long enough for an upload)")
+    run.add_argument(
+        "--max-packet-size",
+        type=int,
+        default=0,
+        help="the broker's packet limit in bytes when it advertises none (ejabberd: its max_payload_size); "
+        "0 (default): the limit the broker advertises",
+    )
     run.add_argument(
         "--state-dir",
         help="directory where algorithm state that must survive a restart is kept "

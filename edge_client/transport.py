@@ -53,6 +53,10 @@ class LinkConfig:
     max_message_bytes: int = 256 * 2**20
     max_queued: int = 10000
     connect_timeout_s: float = 30.0
+    # The broker's maximum packet size when it advertises none in CONNACK (ejabberd's mod_mqtt does not, and drops
+    # the connection on a larger packet): the size check and the chunk size then use it. The smaller of the two
+    # wins when both are known; None: only what the broker advertises.
+    max_packet_size: int | None = None
 
     def endpoint(self) -> tuple[str, int, bool]:
         parts = urlsplit(self.url)
@@ -254,7 +258,8 @@ class MqttLink(Inbox):
         sock = client.socket()
         if isinstance(sock, socket.socket):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.max_packet_size = getattr(properties, "MaximumPacketSize", None) if properties else None
+        advertised = getattr(properties, "MaximumPacketSize", None) if properties else None
+        self.max_packet_size = min((n for n in (advertised, self.config.max_packet_size) if n), default=None)
         self._connect_error = None
         if self.subscriptions:  # ready once the broker confirmed the subscriptions (SUBACK)
             client.subscribe([(topic, 1) for topic in self.subscriptions])

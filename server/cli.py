@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -11,10 +12,13 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
+
+if TYPE_CHECKING:
+    from server.bridge import BridgeSettings
 
 log = logging.getLogger("edgefl.server")
 
@@ -46,6 +50,11 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--broker": ("broker__url", str, "use this broker (mqtt://HOST:PORT or mqtts://...) instead of starting one"),
     "--username": ("broker__username", str, "broker username of the server"),
     "--ca-file": ("broker__ca_file", str, "CA certificate for an mqtts:// broker"),
+    "--max-packet-size": (
+        "broker__max_packet_size",
+        int,
+        "the broker's packet limit in bytes when it advertises none (ejabberd); 0: what the broker says",
+    ),
 }
 
 
@@ -108,7 +117,9 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
     b = config.broker
     if b.url:
         password = b.password or os.environ.get("EDGEFL_PASSWORD")
-        yield LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size), None
+        limit = b.max_packet_size or None  # 0: what the broker advertises
+        link = LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size)
+        yield dataclasses.replace(link, max_packet_size=limit), None
         return
     from server.broker import Broker, BrokerSettings
 
@@ -219,12 +230,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sites(specs: list[str]) -> dict[str, list[str]]:
+    """``--site NAME:ID,ID`` flags as {site login: its devices}."""
+    sites: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, ids = spec.partition(":")
+        devices = [d for d in ids.split(",") if d]
+        if not name or not devices or name in sites:
+            raise ValueError(
+                f"--site {spec!r}: expected NAME:ID,ID,... (a site's login and its devices), once per site"
+            )
+        sites[name] = devices
+    return sites
+
+
+def _bridge(args: argparse.Namespace) -> BridgeSettings | None:
+    """The site's bridge to the central broker from ``--bridge`` and its login flags; None without ``--bridge``."""
+    from server.bridge import BridgeSettings
+
+    if not args.bridge:
+        return None
+    password = (
+        Path(args.bridge_password_file).read_text().strip()
+        if args.bridge_password_file
+        else os.environ.get("EDGEFL_BRIDGE_PASSWORD", "")
+    )
+    if not args.bridge_username or not password:
+        raise ValueError(
+            "--bridge needs the site's login on the central broker: --bridge-username NAME and "
+            "--bridge-password-file FILE (or the EDGEFL_BRIDGE_PASSWORD environment variable)"
+        )
+    return BridgeSettings(args.bridge, args.bridge_username, password, args.bridge_ca_file)
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from server.broker import Broker, BrokerSettings
 
     devices = [d for d in (args.devices or "").split(",") if d] + [f"device-{i:02d}" for i in range(args.clients)]
     settings = BrokerSettings(
-        host=args.host, port=args.port, devices=devices, certfile=args.certfile, keyfile=args.keyfile
+        host=args.host,
+        port=args.port,
+        devices=devices,
+        certfile=args.certfile,
+        keyfile=args.keyfile,
+        sites=_sites(args.site or []),
+        bridge=_bridge(args),
     )
     workdir = Path(args.dir)
     stop = threading.Event()
@@ -235,6 +285,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
         print(f"server login: {broker.server.username} / {broker.server.password}")
         for cid, creds in broker.devices.items():
             print(f"device login: {cid} / {creds.password}")
+        for site, creds in broker.sites.items():
+            print(f"site login: {site} / {creds.password} (its bridge carries {', '.join(settings.sites[site])})")
+        if settings.bridge is not None:
+            print(f"bridging these devices to {settings.bridge.url} as {settings.bridge.username}")
         print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
@@ -344,6 +398,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loopback address",
     )
     broker.add_argument("--keyfile", help="PEM private key of --certfile")
+    broker.add_argument(
+        "--site",
+        action="append",
+        metavar="NAME:ID,ID",
+        help="central broker: create a login NAME for a site broker's bridge that may carry only these devices' "
+        "topics (repeat per site; docs/scaling.md)",
+    )
+    broker.add_argument(
+        "--bridge",
+        metavar="URL",
+        help="site broker: bridge the devices' topics to the central broker at URL (mqtts://HOST:PORT), where the "
+        "server runs; the devices are --devices/--clients and must match the central broker's --site entry",
+    )
+    broker.add_argument("--bridge-username", help="this site's login on the central broker (its --site NAME)")
+    broker.add_argument(
+        "--bridge-password-file", help="file holding that login's password (or set EDGEFL_BRIDGE_PASSWORD)"
+    )
+    broker.add_argument("--bridge-ca-file", help="CA certificate of the central broker (default: the system's CAs)")
     broker.set_defaults(func=cmd_broker)
     return parser
 

@@ -8,7 +8,7 @@
 [model]      name plus the model's keyword arguments (default: the data set's model)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
-[broker]     url, username, password, ca_file, chunk_size, devices
+[broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
 """
 
@@ -87,6 +87,9 @@ class BrokerSection:
     password: str = ""  # empty: the EDGEFL_PASSWORD environment variable
     ca_file: str = ""
     chunk_size: int = 1 << 20
+    # Bytes: the broker's packet limit when it advertises none (ejabberd: its listener's max_payload_size; also
+    # passed to simulated clients). 0: the limit the broker advertises (mosquitto does).
+    max_packet_size: int = 0
     devices: list[str] = field(default_factory=list)  # device ids to create credentials for (own broker only)
 
 
@@ -137,6 +140,11 @@ class RunConfig:
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
+            (
+                "broker.max_packet_size",
+                self.broker.max_packet_size == 0 or self.broker.max_packet_size >= 4096,
+                "bytes >= 4096, or 0 to use the limit the broker advertises",
+            ),
         ]
         for key, ok, expected in checks:
             if not ok:

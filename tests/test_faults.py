@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import Hooks, make_config, make_update
+from conftest import Hooks, make_config, make_update, start_federation
 from fakes import FakeDevice
 
 from edge_client.algorithms.scaffold import ScaffoldClient
@@ -35,15 +35,10 @@ from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings
 from server.checkpoint import pack_state, resumes, unpack_state
 from server.config import ConfigError
-from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 from server.experiments.simulate import (
-    ClientLogin,
     client_ids,
     client_state_dirs,
-    prepare_shards,
-    start_clients,
     stop_clients,
 )
 from server.orchestrator import Orchestrator
@@ -323,15 +318,9 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
 # ------------------------------------------------------------------------------------ the broker itself dies
 def federation_on(broker: Broker, tmp_path: Path, job: str, clients: int, rounds: int, **settings: Any) -> tuple:
     """Like conftest's ``federation``, on a broker of the test's own (one it may kill): server and client processes."""
-    config = make_config(tmp_path, job, clients, rounds, **settings)
-    bundle = load_dataset("digits", seed=0)
-    out = Path(config.run.out)
-    ids = client_ids(clients)
-    shards, _ = prepare_shards(bundle, ids, config.data.partition, 0, out / "shards")
-    logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
-    procs = start_clients(config, broker.url, logins, shards, out)
     link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-    return Orchestrator(config, link, Evaluator(bundle.model, bundle.test), bundle.model, out), procs
+    return start_federation(tmp_path, link, lambda cid: (broker.url, broker.devices[cid].password), job, clients,
+                            rounds, **settings)  # fmt: skip
 
 
 @pytest.mark.integration

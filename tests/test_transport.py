@@ -265,6 +265,22 @@ def test_chunk_size_shrinks_to_the_broker_limit(broker: Broker, links: LinkFacto
     assert not receiver.rejections
 
 
+def test_a_configured_limit_below_the_advertised_one_wins(broker: Broker, links: LinkFactory) -> None:
+    """`LinkConfig.max_packet_size` (for brokers that advertise none, e.g. ejabberd): the smaller limit applies."""
+    topics = new_topics()
+    limit = broker.settings.max_packet_size // 8
+    receiver = links(broker.server, [topics.all_up])
+    sender = links(broker.devices["c4"], [topics.down("c4")], chunk_size=limit, max_packet_size=limit)
+    assert sender.max_packet_size == limit < broker.settings.max_packet_size
+    assert sender.chunk_size() < limit
+    update = make_update("c4", limit // 2)  # two packets' worth of floats
+    with pytest.raises(MessageTooLarge):
+        sender.publish(topics.up("c4"), encode(update), chunked=False)
+    sender.publish(topics.up("c4"), encode(update))
+    _, got = receive(receiver)
+    assert_same(got, update)
+
+
 def test_frame_over_the_limit_raises_before_anything_is_sent(broker: Broker, links: LinkFactory) -> None:
     """Frames count their topic too: with a 2 KiB limit, no frame on a 2 KiB topic fits, so nothing may go out."""
     topics = new_topics()

@@ -93,13 +93,16 @@ def client_state_dirs(out_dir: Path, client_ids: list[str]) -> dict[str, Path]:
 
 def start_clients(
     config: RunConfig,
-    url: str,
+    url: str | dict[str, str],
     logins: dict[str, ClientLogin],
     shards: list[Path],
     out_dir: Path,
     ca_file: str | None = None,
 ) -> dict[str, subprocess.Popen]:
-    """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``."""
+    """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``.
+
+    ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster).
+    """
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
@@ -117,7 +120,7 @@ def start_clients(
             *entry,
             "run",
             "--broker",
-            url,
+            url if isinstance(url, str) else url[cid],
             "--client-id",
             cid,
             "--username",
@@ -135,6 +138,8 @@ def start_clients(
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
+        if config.broker.max_packet_size:
+            cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
         env = {
             **os.environ,
             "EDGEFL_PASSWORD": login.password,
