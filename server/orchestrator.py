@@ -50,6 +50,7 @@ from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.config import ConfigError, RunConfig
 from server.evaluation import Evaluator
+from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
@@ -161,6 +162,7 @@ class Orchestrator:
         self.clients: dict[str, ClientRecord] = {}
         self.client_samples: dict[str, int] = {}  # shared with the strategy's context
         self.current: RoundState | None = None
+        self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
             link_config,
@@ -169,9 +171,23 @@ class Orchestrator:
             will=(self.topics.server, offline, True),
         )
 
+    def _live_facts(self) -> dict[str, Any]:
+        """The run facts the dashboard heads its page with."""
+        run = self.config.run
+        dataset = self.summary_extra.get("dataset", self.config.data.dataset)
+        return {
+            "algorithm": self.strategy.name,
+            "dataset": dataset,
+            "partition": self.config.data.partition,
+            "job": run.job,
+            "rounds": run.rounds,
+            "target": run.target_accuracy,
+        }
+
     # -- messages ----------------------------------------------------------------------------------------------------
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
+        self.live.heard(sender)
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -185,6 +201,7 @@ class Orchestrator:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
             self.link.reject(topic, exc)
+            self.live.rejected(sender, exc.reason)
 
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
@@ -192,6 +209,7 @@ class Orchestrator:
         known = self.clients.get(sender)
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
         self.client_samples[sender] = hello.num_samples
+        self.live.registered(sender, hello.device)
         if known is None or not known.online:
             log.info(
                 "client %s registered: %d samples, %s",
@@ -206,6 +224,7 @@ class Orchestrator:
         record = self.clients.get(sender)
         if record is not None and record.online != presence.online:
             record.online = presence.online
+            self.live.presence(sender, presence.online)
             log.info("client %s is %s (%s)", sender, "online" if presence.online else "offline", presence.reason)
 
     def _accept(self, topic: str, sender: str, update: Update) -> None:
@@ -341,12 +360,14 @@ class Orchestrator:
             self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
         )
         exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
             weights = self._train(weights, metrics, exporter)
         finally:
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
+            self.live.close()
         export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
         summary = summarize(
             metrics.rows,
@@ -425,6 +446,7 @@ class Orchestrator:
             t0 = time.monotonic()
             deadline_s = self.deadline(self.slowest_compute_s)
             self.current, told = self._assign(round_, version, weights, deadline_s)
+            self.live.round_started(round_, t0 - start, told)
             self._collect(self.current)
             state, self.current = self.current, None
             updates = [state.received[c] for c in sorted(state.received)]
