@@ -14,6 +14,8 @@ command -v shellcheck >/dev/null 2>&1 || apt_pkgs+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
 command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(passwd)
+# Chromium for the dashboard's browser test (Playwright drives Debian's build: it cannot download its own here).
+command -v chromium >/dev/null 2>&1 || apt_pkgs+=(chromium)
 # Fashion-MNIST (data set `fmnist`) ships as idx files in a Debian package.
 [ -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || apt_pkgs+=(dataset-fashion-mnist)
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
