@@ -23,7 +23,7 @@ from PIL import Image
 
 from server.config import ConfigError
 from server.dashboard.server import Address
-from server.dashboard.view import RunView
+from server.dashboard.view import TIMELINE_FILE, RunView
 from server.live_state import LiveState
 
 CHROMIUM = "/usr/bin/chromium"
@@ -83,6 +83,13 @@ def test_view_from_the_run_directory(tmp_path: Path) -> None:
     assert a["told"] == {"round": 3.0, "local_steps": 12.0, "alpha": 0.25}
     assert b["device_class"] == "aarch64, 4 cores, 3.7 GiB" and b["online"] is False
     assert b["rounds_missed"] == 2 and b["rejected"] == {"norm": 1} and b["last"]["round"] == 1
+
+
+def test_view_shows_the_timeline_once_the_run_writes_it(tmp_path: Path) -> None:
+    view = RunView(tmp_path)
+    assert json.loads(view.snapshot())["timeline"] is None
+    Image.new("RGB", (4, 4)).save(tmp_path / TIMELINE_FILE)
+    assert json.loads(view.snapshot())["timeline"] is not None  # its mtime: the page reloads the image by it
 
 
 def test_view_reads_appended_rounds_and_notices_a_new_run(tmp_path: Path) -> None:

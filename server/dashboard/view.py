@@ -102,8 +102,10 @@ class RunView:
         live = self._read_json(LIVE_FILE)
         summary = self._read_json("summary.json")
         run = dict(live.get("run") or {})
-        run["finished"] = bool(run.get("finished")) or bool(summary)
-        if not run.get("algorithm") and summary:  # a run from before live.json: what summary.json says
+        # summary.json may be left from an earlier run in the same directory: only a run without live.json (one from
+        # before the dashboard) is judged by it
+        run["finished"] = bool(run.get("finished")) if live else bool(summary)
+        if not live and summary:
             run.update(algorithm=summary.get("algorithm"), dataset=summary.get("dataset"))
             run.update(target=summary.get("target_accuracy"), rounds=summary.get("rounds"))
         target = _num(run.get("target"))
