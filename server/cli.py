@@ -15,7 +15,7 @@ from typing import Any
 
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
-from server.dashboard.server import serve_dashboard
+from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
 
 log = logging.getLogger("edgefl.server")
 
@@ -210,8 +210,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from server.dashboard.server import Address, DashboardServer, announce
-
     run_dir = Path(args.out)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"--out {run_dir}: no such run directory (the --out of a run or simulate)")
