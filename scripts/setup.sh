@@ -17,6 +17,8 @@ command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(pas
 # ejabberd: the two-node MQTT cluster of tests/test_cluster.py (firmware_scripts/ejabberd-cluster.sh runs its own
 # nodes; on a host with systemd the package also starts its XMPP system service, which edgefl does not use).
 [ -x /usr/sbin/ejabberdctl ] || apt_pkgs+=(ejabberd)
+# Chromium for the dashboard's browser test (Playwright drives Debian's build: it cannot download its own here).
+command -v chromium >/dev/null 2>&1 || apt_pkgs+=(chromium)
 # Fashion-MNIST (data set `fmnist`) ships as idx files in a Debian package.
 [ -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || apt_pkgs+=(dataset-fashion-mnist)
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then

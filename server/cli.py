@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
+from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
 
 if TYPE_CHECKING:
     from server.bridge import BridgeSettings
@@ -28,6 +29,10 @@ DATASET_HELP = (
 )
 PARTITION_HELP = (
     "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+)
+DASHBOARD_HELP = (
+    "serve a live dashboard of the run at HOST:PORT, e.g. 127.0.0.1:8050 (port 0: a free one); an address that is "
+    "not loopback gets a token, printed at start, that every request must carry"
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -70,6 +75,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
         help="stop as soon as the target accuracy is reached",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
+    parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -174,7 +180,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
-    with RoundProgress(config.run.rounds) as progress:
+    with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
         if args.in_process:
             summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
         else:
@@ -203,7 +209,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        with RoundProgress(config.run.rounds) as progress:
+        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
             summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
     _report(summary, out_dir, progress.console)
     return 0
@@ -261,6 +267,20 @@ def _bridge(args: argparse.Namespace) -> BridgeSettings | None:
             "--bridge-password-file FILE (or the EDGEFL_BRIDGE_PASSWORD environment variable)"
         )
     return BridgeSettings(args.bridge, args.bridge_username, password, args.bridge_ca_file)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    run_dir = Path(args.out)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"--out {run_dir}: no such run directory (the --out of a run or simulate)")
+    server = DashboardServer(run_dir, Address.parse(args.dashboard)).start()
+    announce(server)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    server.stop()
+    return 0
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
@@ -381,6 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--algorithms", help="comma-separated algorithms instead of the suite's")
     bench.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     bench.set_defaults(func=cmd_bench)
+
+    dash = sub.add_parser(
+        "dashboard",
+        help="serve the live dashboard of a run from its output directory",
+        description="Serve the dashboard of a finished or running run from its output directory alone (live.json, "
+        "metrics.jsonl); it follows a running run as it trains.",
+    )
+    dash.add_argument("--out", default="runs/latest", help="the run's output directory (default runs/latest)")
+    dash.add_argument("--dashboard", metavar="HOST:PORT", default="127.0.0.1:8050", help=DASHBOARD_HELP)
+    dash.set_defaults(func=cmd_dashboard)
 
     broker = sub.add_parser(
         "broker",

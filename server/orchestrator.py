@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, get_flat
+from edge_client.models import build_model, get_flat, num_params
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
     Failure,
@@ -49,6 +49,7 @@ from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.config import RunConfig
 from server.evaluation import Evaluator
+from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
@@ -112,8 +113,12 @@ class Orchestrator:
         self.current: RoundState | None = None
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
-        self.num_params = 0
+        self.num_params = num_params(build_model(model_spec))
+        self.admission = Admission(
+            self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
+        )
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
+        self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
             link_config,
@@ -123,6 +128,19 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
+
+    def _live_facts(self) -> dict[str, Any]:
+        """The run facts the dashboard heads its page with."""
+        run = self.config.run
+        dataset = self.summary_extra.get("dataset", self.config.data.dataset)
+        return {
+            "algorithm": self.strategy.name,
+            "dataset": dataset,
+            "partition": self.config.data.partition,
+            "job": run.job,
+            "rounds": run.rounds,
+            "target": run.target_accuracy,
+        }
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _announce(self) -> None:
@@ -141,6 +159,7 @@ class Orchestrator:
 
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
+        self.live.heard(sender)
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -156,6 +175,7 @@ class Orchestrator:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
             self.link.reject(topic, exc)
+            self.live.rejected(sender, exc.reason)
 
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
@@ -168,6 +188,7 @@ class Orchestrator:
         known = self.clients.get(sender)
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
         self.client_samples[sender] = hello.num_samples
+        self.live.registered(sender, hello.device)
         if known is None or not known.online:
             log.info(
                 "client %s registered: %d samples, %s",
@@ -182,6 +203,7 @@ class Orchestrator:
         record = self.clients.get(sender)
         if record is not None and record.online != presence.online:
             record.online = presence.online
+            self.live.presence(sender, presence.online)
             log.info("client %s is %s (%s)", sender, "online" if presence.online else "offline", presence.reason)
 
     def _accept(self, topic: str, sender: str, update: Update) -> None:
@@ -300,23 +322,21 @@ class Orchestrator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
-        self.num_params = weights.size
         self.strategy.setup(
             ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
-        )
-        self.admission = Admission(
-            self.strategy.contract, self.strategy.params, self.num_params, self.config.train.max_update_norm
         )
         weights, metrics = self._resume(weights)
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
         exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
             weights = self._train(weights, metrics, exporter)
         finally:
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
+            self.live.close()
         export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         summary = summarize(
@@ -392,6 +412,7 @@ class Orchestrator:
             deadline_s = self.deadline(self.slowest_compute_s)
             told = self._assign(round_, version, weights, deadline_s)
             state = self.current
+            self.live.round_started(round_, t0 - start, told)
             assert state is not None
             self._collect(state)
             self.current = None
