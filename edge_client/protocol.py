@@ -8,6 +8,7 @@ message object exists, and raises a specific :class:`ProtocolError` subclass who
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import uuid
@@ -100,6 +101,9 @@ class Assignment:
 
     A strategy fills what the algorithm decides (steps tau, learning rate, TACO's alpha_i, the contract's settings
     and arrays, a model to start from other than the global one); the orchestrator fills the round's facts.
+    On the wire an assignment carries no model: ``weights`` and the arrays every client of the round shares travel
+    once per round in the :class:`GlobalModel` named by ``model_sha256``; ``arrays`` holds only this client's own,
+    and ``global_arrays`` names the shared ones this client uses. The device puts them back before training.
     """
 
     local_steps: int
@@ -108,7 +112,7 @@ class Assignment:
     alpha: float | None = None  # TACO's alpha_i, in every algorithm that uses it (its contract says so)
     settings: dict[str, Any] = field(default_factory=dict)  # the contract's device settings and per-round values
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: np.ndarray | None = None  # None until the orchestrator puts in the global model
+    weights: np.ndarray | None = None  # not on the wire: the GlobalModel's weights (or the strategy's own start model)
     momentum: float = 0.0
     weight_decay: float = 0.0
     round: int = 0
@@ -119,6 +123,8 @@ class Assignment:
     upload: bool = True
     seed: int = 0
     run_id: str = ""
+    model_sha256: str = ""  # the GlobalModel this round starts from (model_digest of its weights and arrays)
+    global_arrays: list[str] = field(default_factory=list)  # the GlobalModel's arrays this client uses
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
 
@@ -205,7 +211,48 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
-Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile
+# ---- one model per round (issue 16): the round's model once for every device, and a device's request for it ----
+@dataclass
+class GlobalModel:
+    """Server -> every device, once per model version: the weights a round starts from and the arrays every client
+    of the round shares (contract arrays of scope "global"), named by ``sha256 = model_digest(weights, arrays)``.
+
+    Published on the job's round-model topics (retained where the broker keeps it); a device that missed it asks with
+    :class:`ModelRequest` and gets it on its own ``down`` topic.
+    """
+
+    round: int
+    model_version: int
+    sha256: str
+    weights: np.ndarray
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "global_model"
+
+
+@dataclass
+class ModelRequest:
+    """Device -> server: the model ``sha256`` its assignment of ``round`` names did not arrive; send it to me."""
+
+    round: int
+    client_id: str
+    sha256: str
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "model_request"
+
+
+def model_digest(weights: np.ndarray, arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of a model's float32 bytes and its named arrays (sorted by name): what assignments name it by."""
+    h = hashlib.sha256(np.ascontiguousarray(weights, DTYPE).data)
+    for name in sorted(arrays):
+        h.update(name.encode() + b"\0")
+        h.update(np.ascontiguousarray(arrays[name], DTYPE).data)
+    return h.hexdigest()
+
+
+Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | GlobalModel | ModelRequest
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -265,6 +312,11 @@ def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a map with str keys"
 
 
+def _names(v: Any) -> str | None:
+    ok = isinstance(v, list) and len(v) <= 32 and all(isinstance(n, str) and 0 < len(n) <= 64 for n in v)
+    return None if ok and len(set(v)) == len(v) else "a list of at most 32 distinct names of 1-64 characters"
+
+
 def _text(limit: int) -> Check:
     def check(v: Any) -> str | None:
         return None if isinstance(v, str) and len(v) <= limit else f"a str of at most {limit} characters"
@@ -277,6 +329,7 @@ _CID = _str(CLIENT_ID_RE)
 _TEXT = _str()
 _INT = _int()
 _RUN = _str(_RUN_ID_RE)
+_SHA256 = _str(_SHA256_RE)
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
 _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
@@ -297,6 +350,8 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "upload": ("upload", _bool),
         "seed": ("seed", _NONNEG),
         "run": ("run_id", _RUN),
+        "sha256": ("model_sha256", _SHA256),
+        "globals": ("global_arrays", _names),
     },
     "update": {
         "round": ("round", _NONNEG),
@@ -325,19 +380,34 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "reason": ("reason", _TEXT),
     },
     "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
-    "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
+    "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _SHA256), "meta": ("meta", _dict)},
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
         "i": ("index", _INT),
         "n": ("count", _INT),
         "size": ("size", _INT),
         "cs": ("chunk_size", _INT),
-        "sha256": ("sha256", _str(_SHA256_RE)),
+        "sha256": ("sha256", _SHA256),
+    },
+    "global_model": {
+        "round": ("round", _NONNEG),
+        "model_version": ("model_version", _NONNEG),
+        "sha256": ("sha256", _SHA256),
+        "run": ("run_id", _RUN),
+    },
+    "model_request": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "sha256": ("sha256", _SHA256),
+        "run": ("run_id", _RUN),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk)}
+_CLASSES: dict[str, type] = {
+    c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk, GlobalModel, ModelRequest)
+}
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
-_VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
+_ARRAYS = ("assignment", "update", "global_model")  # types that carry named float32 arrays ("x:<name>")
+_VECTOR = {"update": "delta", "global_model": "weights"}  # the required 1-D float32 vector of such a type
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
 }
@@ -420,8 +490,8 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
         if t == "chunk":
             _check_chunk(f, data.nbytes)
         blobs.append(("data", _U8, [data.nbytes], data))
-    elif t in _VECTOR:
-        named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
+    elif t in _ARRAYS:
+        named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)] if t in _VECTOR else []
         extra = msg.arrays  # type: ignore[union-attr]
         if not isinstance(extra, dict) or not all(isinstance(k, str) and k for k in extra):
             raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
@@ -505,7 +575,7 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             raise MalformedMessage(f"{t}: array entry expected [name, dtype, shape], got {_short(entry)}")
         name, dtype, shape = entry
-        allowed = name == "data" if t in _BYTES else vector is not None and (name == vector or name[:2] == "x:")
+        allowed = name == "data" if t in _BYTES else t in _ARRAYS and (name == vector or name[:2] == "x:")
         if not allowed or name in seen or name == "x:":
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
@@ -558,6 +628,6 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
             extra[name[2:]] = arr
         else:
             kwargs[name] = arr
-    if t in _VECTOR:
+    if t in _ARRAYS:
         kwargs["arrays"] = extra
     return _CLASSES[t](**kwargs)

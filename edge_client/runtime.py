@@ -26,7 +26,19 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
+from edge_client.protocol import (
+    Assignment,
+    Failure,
+    GlobalModel,
+    Hello,
+    Message,
+    ModelRequest,
+    Presence,
+    Stop,
+    Update,
+    encode,
+)
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -55,7 +67,9 @@ class EdgeClient:
         state_dir: Path | None = None,
         link_factory: LinkFactory | None = None,
         train: TrainFn = train_local,
+        model_wait_s: float = DEFAULT_WAIT_S,
     ) -> None:
+        """``model_wait_s``: how long an assignment waits for its round's model before the server is asked for it."""
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
         self.topics = Topics(job)
@@ -74,7 +88,15 @@ class EdgeClient:
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._last_upload: dict[str, float] = {}
-        subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
+        self.models = ModelCache()
+        self.model_wait_s = model_wait_s
+        self._waiting: Waiting | None = None
+        subscriptions = [
+            self.topics.down(self.client_id),
+            self.topics.broadcast,
+            self.topics.server,
+            self.topics.round_model_frames,
+        ]
         self.link: Link
         if link_factory is not None:
             self.link = link_factory(subscriptions, self._say_hello)
@@ -88,6 +110,7 @@ class EdgeClient:
                 subscriptions,
                 will=(self.topics.up(self.client_id), will, False),
                 on_connect=self._say_hello,
+                retained_once=[self.topics.round_model_frames],
             )
 
     def _say_hello(self) -> None:
@@ -102,10 +125,9 @@ class EdgeClient:
         try:
             while max_rounds is None or self.rounds_done < max_rounds:
                 received = self.link.receive(timeout=1.0)
-                if received is None:
-                    continue
-                if not self.handle(received[1]):
+                if received is not None and not self.handle(received[1]):
                     break
+                self._check_waiting()
             self.link.wait_published(timeout=30.0)
         finally:
             self.link.publish(
@@ -121,9 +143,38 @@ class EdgeClient:
             return False
         if isinstance(msg, Presence) and msg.role == "server" and msg.online:
             self._say_hello()  # the server (re)started: register again
+        elif isinstance(msg, GlobalModel):
+            self._take_model(msg)
         elif isinstance(msg, Assignment):
             self._serve(msg)
         return True
+
+    def _take_model(self, model: GlobalModel) -> None:
+        """Keep a verified model; serve the assignment waiting for it, or report one whose model does not verify."""
+        ok = self.models.add(model)
+        waiting = self._waiting
+        if waiting is not None and waiting.assignment.model_sha256 == model.sha256:
+            self._waiting = None
+            if ok:
+                self._serve(waiting.assignment)
+            else:
+                self._fail(waiting.assignment, "model_hash", ValueError(f"model {model.sha256} does not hash to it"))
+
+    def _check_waiting(self) -> None:
+        """Ask the server for a model that did not come with its broadcast; give the round up at its deadline."""
+        waiting = self._waiting
+        if waiting is None:
+            return
+        a = waiting.assignment
+        due = waiting.due(time.monotonic(), self.model_wait_s)
+        if due == "request":
+            waiting.requested = True
+            log.warning("round %d: model %s not received; asking the server for it", a.round, a.model_sha256[:12])
+            request = ModelRequest(a.round, self.client_id, a.model_sha256, run_id=a.run_id)
+            self.link.publish(self.topics.up(self.client_id), encode(request))
+        elif due == "give_up":
+            self._waiting = None
+            self._fail(a, "model_unavailable", TimeoutError(f"model {a.model_sha256} not received in {a.deadline_s} s"))
 
     def _model_for(self, spec: dict[str, Any]) -> FlatModel:
         if self._model is None or spec != self._model_spec:
@@ -186,7 +237,13 @@ class EdgeClient:
             log.warning("round %d: skipping a stale assignment (round %d of this run already served)",
                         assignment.round, served)  # fmt: skip
             return
+        if assignment.model_sha256 not in self.models:  # its broadcast is late or was missed
+            self._waiting = Waiting(assignment, time.monotonic())
+            self._check_waiting()
+            return
+        self._waiting = None
         try:
+            assignment = self.models.complete(assignment)
             model = self._model_for(assignment.model)
             algorithm = self._algorithm_for(assignment.algorithm)
             if assignment.weights is None or model.size != assignment.weights.size:
@@ -203,6 +260,7 @@ class EdgeClient:
             self._sampler_key = (assignment.batch_size, assignment.seed)
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
+        bytes_down += self.link.take_bytes_in(self.topics.round_model)
         before = device.snapshot()
         try:
             result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)

@@ -1,5 +1,7 @@
 """The round loop over MQTT: register clients, select, assign, collect until a timer deadline, aggregate, evaluate.
 
+Each round's model goes out once for every device (``server.distribution``); assignments only name it.
+
 The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
 round; a client whose last will says it went offline, or that reports it cannot serve its assignment, is not waited
 for. Every update passes ``server.admission`` (the round's bookkeeping and the algorithm's contract) before it can
@@ -37,6 +39,7 @@ from edge_client.protocol import (
     Message,
     MessageTooLarge,
     ModelFile,
+    ModelRequest,
     Presence,
     ProtocolError,
     Stop,
@@ -48,6 +51,7 @@ from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.config import RunConfig
+from server.distribution import Distribution
 from server.evaluation import Evaluator
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
@@ -128,6 +132,7 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
+        self.distribution = Distribution(self.link, self.topics, self.strategy.contract)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -171,6 +176,8 @@ class Orchestrator:
                 self._accept(topic, sender, msg)
             elif isinstance(msg, Failure):
                 self._failed(sender, msg)
+            elif isinstance(msg, ModelRequest):
+                self.distribution.answer(sender, msg, self.current.assigned_steps if self.current else ())
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
@@ -282,10 +289,10 @@ class Orchestrator:
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
-        told: dict[str, Any] = {}
+        assignments = {}
         for cid in [*selected, *train_only]:
             a = self.strategy.assign(round_, cid)
-            a = replace(
+            assignments[cid] = replace(
                 a,
                 round=round_,
                 model_version=version,
@@ -299,8 +306,8 @@ class Orchestrator:
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
-            told[cid] = {**assignment_summary(a), "bytes_down": self.link.publish(self.topics.down(cid), encode(a))}
-        return told
+        sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
+        return {cid: {**assignment_summary(a), "bytes_down": sent[cid]} for cid, a in assignments.items()}
 
     def _collect(self, state: RoundState) -> None:
         deadline = time.monotonic() + state.deadline_s
@@ -440,6 +447,7 @@ class Orchestrator:
                 "failed": dict(state.failed),
                 "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
                 "deadline_s": deadline_s,
+                "bytes_out": self.distribution.take_bytes_out(),  # the server's egress this round
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
                 "instructions": told,
                 "rejected": dict(self.link.rejections - rejected_before),  # by reason
@@ -490,6 +498,7 @@ class Orchestrator:
 
     def _shutdown(self) -> None:
         try:
+            self.distribution.clear()
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
             self.link.publish(
                 self.topics.server,
