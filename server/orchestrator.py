@@ -1,6 +1,10 @@
 """The round loop over MQTT: register clients, select, assign, collect until a timer deadline, aggregate, evaluate.
 
-Each round's model goes out once for every device (``server.distribution``); assignments only name it.
+Each round's model goes out once for every device (``server.distribution``); assignments only name it. Round t's model
+is evaluated on a thread of its own while the clients train round t+1 (``server.evaluation.EvaluationWorker``): its
+metrics row, stamped with the time the model was produced, is written with its checkpoint once that evaluation is
+done, so rows stay one per round and in order, and the round's time does not include the evaluation. With
+``run.stop_at_target`` the run therefore stops after the round that was training when the target was seen.
 
 The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
 round; a client whose last will says it went offline, or that reports it cannot serve its assignment, is not waited
@@ -22,6 +26,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +57,7 @@ from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.config import RunConfig
 from server.distribution import Distribution
-from server.evaluation import Evaluator
+from server.evaluation import Evaluation, EvaluationWorker, Evaluator
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
@@ -84,6 +89,18 @@ class ClientRecord:
     num_samples: int
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
+
+
+@dataclass
+class Produced:
+    """A round's model as the round produced it, waiting for its evaluation: the metrics row so far, and what its
+    checkpoint holds (the strategy's state packed right after the aggregation, before the next round changes it)."""
+
+    row: dict[str, Any]
+    weights: np.ndarray
+    version: int
+    state: dict[str, np.ndarray]
+    evaluation: Future[Evaluation]
 
 
 class Orchestrator:
@@ -336,11 +353,13 @@ class Orchestrator:
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
         exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        evaluations = EvaluationWorker(self.evaluator)
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
-            weights = self._train(weights, metrics, exporter)
+            weights = self._train(weights, metrics, exporter, evaluations)
         finally:
+            evaluations.close()
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
@@ -407,11 +426,14 @@ class Orchestrator:
         unpack_state(self.strategy, before)
         return weights, reason
 
-    def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
+    def _train(
+        self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter, evaluations: EvaluationWorker
+    ) -> np.ndarray:
         start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
         version = self.version
-        best = max((r["accuracy"] for r in metrics.rows), default=-1.0)
+        self.best_accuracy = max((r["accuracy"] for r in metrics.rows), default=-1.0)
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
+        produced: Produced | None = None  # the previous round's model, under evaluation
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
@@ -429,18 +451,12 @@ class Orchestrator:
             if updates:
                 weights, dropped = self._aggregate(round_, weights, updates)
                 version += dropped is None
-            t_eval = time.monotonic()
-            accuracy, loss = self.evaluator(weights)
-            outputs = {name: self.evaluator(w) for name, w in self.strategy.outputs(weights).items()}
-            done = time.monotonic()
+            done = time.monotonic()  # the model is produced: time-to-accuracy is stamped here
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
-                "aggregate_s": t_eval - t_agg,
-                "eval_s": done - t_eval,
-                "accuracy": accuracy,
-                "loss": loss,
+                "aggregate_s": done - t_agg,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
@@ -456,22 +472,36 @@ class Orchestrator:
             }
             if dropped:
                 row["dropped"] = dropped
-            for name, (acc, lss) in outputs.items():
-                row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
             rejected_before = Counter(self.link.rejections)
-            metrics.append(row)
-            self.checkpoint.save(weights, round_, version, self.strategy, self.run_id)
             self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
-            if accuracy > best:  # model.onnx is always the best global model so far
-                best = accuracy
-                exporter.submit(weights, round_)
-            self.observer.round_done(row)
-            if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
-                log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)
+            evaluation = evaluations.submit(weights, self.strategy.outputs(weights))
+            previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
+            if previous is not None and self._record(previous, metrics, exporter):
                 break
+        if produced is not None:
+            self._record(produced, metrics, exporter)
         self.checkpoint.mark_finished()
         self.unreported_rejections = self.link.rejections - rejected_before
         return weights
+
+    def _record(self, p: Produced, metrics: MetricsLog, exporter: BackgroundExporter) -> bool:
+        """Once a round's evaluation is done: its metrics row, its checkpoint, the export of a new best model and the
+        progress line. True when the run should stop at the target accuracy."""
+        e: Evaluation = p.evaluation.result()
+        row = {**p.row, "eval_s": e.eval_s, "accuracy": e.accuracy, "loss": e.loss}
+        for name, (acc, lss) in e.outputs.items():
+            row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
+        metrics.append(row)
+        self.checkpoint.save(p.weights, row["round"], p.version, p.state, self.run_id)
+        if e.accuracy > self.best_accuracy:  # model.onnx is always the best global model so far
+            self.best_accuracy = e.accuracy
+            exporter.submit(p.weights, row["round"])
+        self.observer.round_done(row)
+        target = self.config.run.target_accuracy
+        if self.config.run.stop_at_target and e.accuracy >= target:
+            log.info("target accuracy %.4f reached in round %d; stopping", target, row["round"])
+            return True
+        return False
 
     @staticmethod
     def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
