@@ -321,7 +321,7 @@ class Predictor:
 
     def predict(self, x: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """Class ids, (N,) int64: argmax, or for a single-output model (the SVM) the sign rule of
-        ``edge_client.models.SquaredSVM.predict`` (1 where the score is negative, else 0)."""
+        ``edge_client.tasks.predicted_labels`` (1 where the score is negative, else 0)."""
         logits = self.logits(x, batch_size)
         if logits.shape[1] == 1:
             return (logits[:, 0] < 0).astype(np.int64)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
+from server.target import Target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -35,7 +36,7 @@ ROWS = [
 
 def test_summarize_counts_to_the_first_round_reaching_the_target() -> None:
     target = 0.9
-    summary = summarize(ROWS, target)
+    summary = summarize(ROWS, Target.accuracy(target))
     first = next(r for r in ROWS if r["accuracy"] >= target)
     assert first["round"] == 3  # the fixture is what the test says it is
     compute = 0.0
@@ -51,7 +52,7 @@ def test_summarize_counts_to_the_first_round_reaching_the_target() -> None:
 
 
 def test_summarize_final_and_best_figures() -> None:
-    summary = summarize(ROWS, 0.9, dataset="digits", seed=4)
+    summary = summarize(ROWS, Target.accuracy(0.9), dataset="digits", seed=4)
     assert summary["final_accuracy"] == 0.95
     assert summary["final_loss"] == 0.4
     assert summary["best_accuracy"] == 0.95
@@ -62,20 +63,20 @@ def test_summarize_final_and_best_figures() -> None:
 
 
 def test_summarize_target_reached_in_the_first_round() -> None:
-    summary = summarize(ROWS, 0.5)
+    summary = summarize(ROWS, Target.accuracy(0.5))
     assert summary["rounds_to_target"] == 1
     assert summary["time_to_target_s"] == 2.5
     assert summary["client_compute_to_target_s"] == pytest.approx(1.25)
 
 
 def test_summarize_target_exactly_equal_counts_as_reached() -> None:
-    summary = summarize(ROWS, 0.8)
+    summary = summarize(ROWS, Target.accuracy(0.8))
     assert summary["rounds_to_target"] == 2
     assert summary["client_compute_to_target_s"] == pytest.approx(1.25 + 0.75)
 
 
 def test_summarize_target_never_reached_gives_none() -> None:
-    summary = summarize(ROWS, 0.99)
+    summary = summarize(ROWS, Target.accuracy(0.99))
     assert summary["rounds_to_target"] is None
     assert summary["time_to_target_s"] is None
     assert summary["client_compute_to_target_s"] is None
@@ -84,7 +85,7 @@ def test_summarize_target_never_reached_gives_none() -> None:
 
 
 def test_summarize_no_rows() -> None:
-    summary = summarize([], 0.9)
+    summary = summarize([], Target.accuracy(0.9))
     assert summary["rounds"] == 0
     assert summary["rounds_to_target"] is None and summary["time_to_target_s"] is None
     assert summary["client_compute_to_target_s"] is None
@@ -93,7 +94,7 @@ def test_summarize_no_rows() -> None:
 
 def test_write_summary_is_json(tmp_path: Path) -> None:
     path = tmp_path / "summary.json"
-    summary = summarize(ROWS, 0.9)
+    summary = summarize(ROWS, Target.accuracy(0.9))
     write_summary(path, summary)
     assert json.loads(path.read_text()) == summary
 
@@ -101,7 +102,7 @@ def test_write_summary_is_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", [0.9, 0.99])
 def test_plot_report_writes_a_png(tmp_path: Path, target: float) -> None:
     path = tmp_path / "report.png"
-    plot_report(ROWS, target, path, "digits, fedavg")
+    plot_report(ROWS, Target.accuracy(target), path, "digits, fedavg")
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC
     assert data[12:16] == b"IHDR"
@@ -145,5 +146,6 @@ def test_client_summary_aggregates_what_each_device_reported() -> None:
     assert summary["pi-1"] == {
         "rounds": 2, "bytes_up": 20, "bytes_down": 40, "peak_rss_mb": 320.0, "max_temperature_c": 61.5,
         "min_cpu_freq_mhz": 600.0, "throttled_flags": ["throttled"], "mean_compute_s": 1.5, "mean_cpu_s": 0.75,
+        "evaluations": 0, "mean_eval_s": None,
     }  # fmt: skip
     assert summary["pi-2"]["max_temperature_c"] is None and summary["pi-2"]["rounds"] == 1
