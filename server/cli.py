@@ -79,12 +79,20 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
+    parser.add_argument(
+        "--model-path",
+        action="append",
+        metavar="DIR",
+        help='directory holding the module of [model]/[task] factory = "module:callable" (put on the import path)',
+    )
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
     """The validated configuration, the algorithm and its settings included, before anything is started."""
+    from edge_client.factories import AllowedCode
     from server.assembly import build_strategy
 
+    AllowedCode.of(args.model_path or ()).activate()
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
     build_strategy(config)  # checks what a contract alone cannot (e.g. FedVeca's tau_min_reset <= tau_max)

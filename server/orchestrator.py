@@ -374,7 +374,9 @@ class Orchestrator:
         weights, metrics = self._resume(weights)
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
-        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        exporter = BackgroundExporter(
+            self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model, task=self.task.name
+        )
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
@@ -383,7 +385,9 @@ class Orchestrator:
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
+        export_onnx(
+            self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
+        )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         summary = summarize(
             metrics.rows,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from edge_client.models import MODELS, build_model, get_flat
-from edge_client.tasks import predicted_labels
 from edge_client.predictor import Predictor, sidecar_path, softmax
+from edge_client.tasks import predicted_labels
 from server.onnx_export import export_onnx, sample_shape_for
 
 REPO = Path(__file__).resolve().parents[1]
