@@ -109,12 +109,14 @@ def load_csv(path: str | Path, label_column: str) -> ArrayDataset:
             try:
                 float(cell)
             except ValueError:
-                raise ValueError(f"{path}: row {line_of[r]}, column {header[c]!r}: {cell!r} is not a number") from None
+                raise ValueError(
+                    f"{path}: row {line_of[r]}, column {header[c]!r}: {str(cell)!r} is not a number"
+                ) from None
         raise
     bad = ~np.isfinite(values)
     if bad.any():
         r, c = np.argwhere(bad)[0]
-        raise ValueError(f"{path}: row {line_of[r]}, column {header[c]!r}: {cells[r, c]!r} is not a finite number")
+        raise ValueError(f"{path}: row {line_of[r]}, column {header[c]!r}: {str(cells[r, c])!r} is not a finite number")
     label = header.index(label_column)
     return ArrayDataset(np.delete(values, label, axis=1).astype(np.float32), values[:, label])
 

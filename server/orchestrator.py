@@ -369,7 +369,9 @@ class Orchestrator:
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
-            ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
+            ServerContext(
+                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+            )
         )
         weights, metrics = self._resume(weights)
         self.link.start()
