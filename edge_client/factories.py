@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AllowedCode", "FactoryError", "load_factory"]
+__all__ = ["AllowedCode", "FactoryError", "build_with_factory", "load_factory"]
 
 _REF_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -96,3 +96,22 @@ def load_factory(ref: Any, key: str, allowed: AllowedCode = SERVER) -> Callable[
     if not callable(fn):
         raise FactoryError(f"{key} = {ref!r}: {module_name} has no callable {attr!r}")
     return fn
+
+
+def build_with_factory(section: str, spec: dict[str, Any], allowed: AllowedCode, kind: type, kind_name: str) -> Any:
+    """Call the factory ``spec["factory"]`` of config section ``section`` with the spec's other keys; the result must
+    be a ``kind``."""
+    kwargs = dict(spec)
+    ref = kwargs.pop("factory")
+    if "name" in kwargs:
+        raise FactoryError(f"[{section}]: give either 'name' (a built-in one) or 'factory' (your own), not both")
+    factory = load_factory(ref, f"{section}.factory", allowed)
+    try:
+        built = factory(**kwargs)
+    except TypeError as exc:
+        raise FactoryError(
+            f"{section}.factory = {ref!r} does not take the [{section}] keys {sorted(kwargs)}: {exc}"
+        ) from None
+    if not isinstance(built, kind):
+        raise FactoryError(f"{section}.factory = {ref!r} returned {type(built).__name__}, not {kind_name}")
+    return built

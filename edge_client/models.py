@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.factories import SERVER, AllowedCode, load_factory
+from edge_client.factories import SERVER, AllowedCode, build_with_factory
 
 __all__ = [
     "MLP",
@@ -211,18 +211,8 @@ def build_model(spec: Mapping[str, Any], allowed: AllowedCode = SERVER) -> nn.Mo
 
 
 def _user_model(kwargs: dict[str, Any], allowed: AllowedCode) -> nn.Module:
-    ref = kwargs.pop(FACTORY_KEY)
-    kwargs.pop(INPUT_SHAPE_KEY, None)
-    if "name" in kwargs:
-        raise ValueError("[model]: give either 'name' (a built-in model) or 'factory' (your own), not both")
-    factory = load_factory(ref, "model.factory", allowed)
-    try:
-        model = factory(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"model.factory = {ref!r} does not take the [model] keys {sorted(kwargs)}: {exc}") from None
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model.factory = {ref!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    kwargs.pop(INPUT_SHAPE_KEY, None)  # the export's, not the factory's
+    return build_with_factory("model", kwargs, allowed, nn.Module, "a torch.nn.Module")
 
 
 def _builtin_model(name: Any, kwargs: dict[str, Any]) -> nn.Module:

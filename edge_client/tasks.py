@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.data import ArrayDataset
-from edge_client.factories import SERVER, AllowedCode, load_factory
+from edge_client.factories import SERVER, AllowedCode, build_with_factory
 
 __all__ = ["TASKS", "Task", "auc", "build_task", "combine_reports", "evaluate", "predicted_labels", "task_loss"]
 
@@ -167,17 +167,7 @@ def build_task(spec: Mapping[str, Any], allowed: AllowedCode = SERVER) -> Task:
                 f'of {", ".join(TASKS)} (no other keys), or factory = "package.module:callable" returning a Task'
             )
         return TASKS[name]
-    ref = kwargs.pop("factory")
-    if "name" in kwargs:
-        raise ValueError("[task]: give either 'name' (a built-in task) or 'factory' (your own), not both")
-    factory = load_factory(ref, "task.factory", allowed)
-    try:
-        task = factory(**kwargs)
-    except TypeError as exc:
-        raise ValueError(f"task.factory = {ref!r} does not take the [task] keys {sorted(kwargs)}: {exc}") from None
-    if not isinstance(task, Task):
-        raise ValueError(f"task.factory = {ref!r} returned {type(task).__name__}, not an edge_client.tasks.Task")
-    return task
+    return build_with_factory("task", kwargs, allowed, Task, "an edge_client.tasks.Task")
 
 
 def task_loss(model: nn.Module, task: Task) -> LossFn:
