@@ -30,6 +30,9 @@ def _link_config(args: argparse.Namespace, **extra: Any) -> LinkConfig:
     return LinkConfig(url=args.broker, username=username, password=_password(args), ca_file=args.ca_file, **extra)
 
 
+LABEL_COLUMN_HELP = "CSV data: the column holding the target (every other one is a numeric feature)"
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from edge_client.fetch import fetch_model
 
@@ -73,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     def config() -> LinkConfig:  # called inside the broker item: an unreadable password file is a FAIL line
         return _link_config(args, session_expiry_s=0, connect_timeout_s=args.timeout)
 
-    return report(check_all(config, args.client_id, args.job, args.data), args.client_id, args.job)
+    return report(check_all(config, args.client_id, args.job, args.data, args.label_column), args.client_id, args.job)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -157,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="this device's data: an .npz with x and y, a .csv with a header (and --label-column), or a directory of "
         "MNIST-style idx files",
     )
-    run.add_argument("--label-column", help="CSV data: the column holding the target (every other one is a feature)")
+    run.add_argument("--label-column", help=LABEL_COLUMN_HELP)
     run.add_argument(
         "--holdout",
         type=float,
@@ -217,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the device's metrics. Exit status 0: ready; 1: something to fix.",
     )
     check.add_argument("--data", help="this device's data file or directory to check (as edge-client run --data)")
+    check.add_argument("--label-column", help=LABEL_COLUMN_HELP)
     check.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
     check.set_defaults(func=cmd_check)
 
