@@ -8,7 +8,7 @@
 [model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
 [eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
-             deadline_s
+             deadline_s, holdout (simulated devices)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
@@ -79,6 +79,8 @@ class EvalSection:
     every: int = 1  # evaluate after every N-th round (and after the last)
     devices: str = "all"  # clients mode: all online devices with a held-out split, or only the round's selected
     deadline_s: float = 60.0  # the longest the server waits for the devices' evaluations
+    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout)
+    holdout: float = 0.0
 
 
 @dataclass
@@ -160,6 +162,7 @@ class RunConfig:
             ("eval.every", self.eval.every >= 1, "an integer >= 1"),
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
             ("eval.deadline_s", self.eval.deadline_s > 0, "seconds > 0"),
+            ("eval.holdout", 0 <= self.eval.holdout < 1, "a fraction in [0, 1)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",

@@ -4,6 +4,7 @@ devices' evaluation reports (issue 13)."""
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,12 @@ from edge_client.models import build_model, fingerprint, get_flat, layout_differ
 from edge_client.protocol import Evaluation, ProtocolError
 from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate, task_loss
 from edge_client.trainer import plan_for, train_local
+from edge_client.transport import LinkConfig
+from server.broker import Broker
 from server.config import ConfigError, EvalSection
+from server.experiments.datasets import load_dataset
+from server.experiments.inprocess import run_inprocess
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
 from server.target import Target, eval_mode, run_target
@@ -241,3 +247,31 @@ def test_evaluation_reports_are_admitted_only_as_asked() -> None:
     result = fed.result(state)
     assert result is not None and result["missing"] == ["b"] and result["num_samples"] == 10
     assert result["rmse"] == pytest.approx(1.0) and result["devices"]["a"]["mae"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------- simulated fleets
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["inprocess", "broker"])
+def test_a_simulated_fleet_holds_out_and_both_evaluate(mode: str, broker: Broker, tmp_path: Path) -> None:
+    """[eval] holdout gives simulate's devices (processes or in-process) a held-out split; with mode both the server's
+    test set is the target's and the devices' sample-weighted report sits beside it in every evaluated row."""
+    config = make_config(tmp_path, f"both-{mode}", 3, 3, threads=1)
+    config.eval.mode, config.eval.every, config.eval.holdout = "both", 2, 0.2
+    bundle, ids = load_dataset("digits", seed=0), client_ids(3)
+    out = Path(config.run.out)
+    shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out / "shards")
+    if mode == "broker":
+        logins = {c: ClientLogin(c, (broker.devices.get(c) or broker.add_device(c)).password) for c in ids}
+        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+        summary = run_processes(config, shards, link, logins, bundle, out)
+    else:
+        summary = run_inprocess(config, shards, bundle, out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    splits = [split_holdout(load_local_data(s), 0.2, config.run.seed, c) for c, s in zip(ids, shards, strict=True)]
+    held_out = sum(len(held) for _, held in splits)
+    assert [("accuracy" in r, "client_eval" in r) for r in rows] == [(False, False), (True, True), (True, True)]
+    for r in (rows[1], rows[2]):  # every 2nd round and the last
+        assert sorted(r["client_eval"]["devices"]) == ids and r["client_eval"]["num_samples"] == held_out
+        assert 0 <= r["client_eval"]["accuracy"] <= 1 and r["client_eval"]["loss"] > 0
+    assert summary["evaluated_by"] == "server test set" and summary["final_accuracy"] == rows[-1]["accuracy"]
+    assert summary["final_client_eval"]["num_samples"] == held_out

@@ -138,6 +138,8 @@ def start_clients(
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
+        if config.eval.holdout:
+            cmd += ["--holdout", str(config.eval.holdout), "--holdout-seed", str(config.run.seed)]
         if config.broker.max_packet_size:
             cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
         env = {
