@@ -101,15 +101,18 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 
 def clients_table(per_client: dict[str, dict[str, Any]]) -> Table:
-    """What each device spent: the per_client part of summary.json."""
+    """What each device spent: the per_client part of summary.json (its evaluations when any device evaluated)."""
     table = Table(title="per client")
-    for col in ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled"):
+    evaluated = any(s.get("evaluations") for s in per_client.values())
+    columns = ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled")
+    for col in (*columns, *(("evals", "eval s") if evaluated else ())):
         table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
     for cid, s in sorted(per_client.items()):
-        temp = s["max_temperature_c"]
+        temp, eval_s = s["max_temperature_c"], s.get("mean_eval_s")
         table.add_row(
             cid, str(s["rounds"]), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
             f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
             "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
+            *((str(s["evaluations"]), "-" if eval_s is None else f"{eval_s:.3f}") if evaluated else ()),
         )  # fmt: skip
     return table

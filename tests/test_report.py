@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from server.progress import clients_table
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.target import Target
 
@@ -149,3 +151,26 @@ def test_client_summary_aggregates_what_each_device_reported() -> None:
         "evaluations": 0, "mean_eval_s": None,
     }  # fmt: skip
     assert summary["pi-2"]["max_temperature_c"] is None and summary["pi-2"]["rounds"] == 1
+
+
+def test_devices_evaluations_are_counted_and_shown_apart_from_training() -> None:
+    def evaluated(eval_s: dict[str, float]) -> dict[str, Any]:
+        return {"devices": {cid: {"num_samples": 10, "loss": 0.5, "eval_s": s} for cid, s in eval_s.items()}}
+
+    train = {"compute_s": 1.0, "cpu_s": 0.5, "bytes_up": 10, "bytes_down": 20, "device": {}}
+    rows = [
+        {"clients": {"pi-1": train, "pi-2": train}, "client_eval": evaluated({"pi-1": 0.25, "pi-2": 0.5})},
+        {"clients": {"pi-1": train}, "client_eval": evaluated({"pi-1": 0.75})},
+    ]
+    per_client = client_summary(rows)
+    assert (per_client["pi-1"]["evaluations"], per_client["pi-1"]["mean_eval_s"]) == (2, 0.5)
+    assert (per_client["pi-2"]["evaluations"], per_client["pi-2"]["mean_eval_s"]) == (1, 0.5)
+    assert per_client["pi-1"]["mean_compute_s"] == 1.0  # evaluation time is not training compute
+
+    console = Console(width=200, record=True)
+    console.print(clients_table(per_client))
+    text = console.export_text()
+    assert "evals" in text and "eval s" in text and "0.500" in text
+    console = Console(width=200, record=True)
+    console.print(clients_table(client_summary([{"clients": {"pi-1": train}}])))
+    assert "eval" not in console.export_text()  # no device evaluated: no such columns
