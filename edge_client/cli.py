@@ -226,12 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     predict = sub.add_parser(
         "predict",
-        help="classify samples with an exported ONNX model (onnxruntime, no torch)",
+        help="predict with an exported ONNX model: class ids, binary labels or regression values (onnxruntime only)",
         description="Run the server's exported model (model.onnx) on this device.",
     )
     predict.add_argument("--model", required=True, help="model.onnx exported by the server (its .json sidecar beside)")
     predict.add_argument("--input", required=True, help=".npz holding the samples")
-    predict.add_argument("--key", default="x", help="array in the .npz to classify (default x)")
+    predict.add_argument("--key", default="x", help="array in the .npz to predict on (default x)")
     predict.add_argument("--batch-size", type=int, help="samples per onnxruntime call (default: all at once)")
     predict.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its default)")
     predict.add_argument("--proba", action="store_true", help="print class probabilities instead of class ids")
