@@ -12,12 +12,15 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AllowedCode", "FactoryError", "build_with_factory", "load_factory"]
+__all__ = ["FACTORY_KEY", "AllowedCode", "FactoryError", "build_with_factory", "factory_modules", "load_factory"]
+
+#: The spec key (``[model]``, ``[task]``) naming a user's ``"package.module:callable"``.
+FACTORY_KEY = "factory"
 
 _REF_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -98,11 +101,18 @@ def load_factory(ref: Any, key: str, allowed: AllowedCode = SERVER) -> Callable[
     return fn
 
 
+def factory_modules(*specs: Mapping[str, Any]) -> tuple[str, ...]:
+    """The top-level modules the specs' factories come from: what a simulated device, which runs the server's own
+    configuration, is allowed to import (``--model-package``)."""
+    refs = (spec.get(FACTORY_KEY) for spec in specs)
+    return tuple(sorted({ref.split(":")[0].split(".")[0] for ref in refs if isinstance(ref, str)}))
+
+
 def build_with_factory(section: str, spec: dict[str, Any], allowed: AllowedCode, kind: type, kind_name: str) -> Any:
     """Call the factory ``spec["factory"]`` of config section ``section`` with the spec's other keys; the result must
     be a ``kind``."""
     kwargs = dict(spec)
-    ref = kwargs.pop("factory")
+    ref = kwargs.pop(FACTORY_KEY)
     if "name" in kwargs:
         raise FactoryError(f"[{section}]: give either 'name' (a built-in one) or 'factory' (your own), not both")
     factory = load_factory(ref, f"{section}.factory", allowed)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.factories import SERVER, AllowedCode, build_with_factory
+from edge_client.factories import FACTORY_KEY, SERVER, AllowedCode, build_with_factory
 
 __all__ = [
     "MLP",
@@ -184,8 +184,6 @@ def _standardizer(name: str, mean: Any, std: Any) -> Any:
     return hook
 
 
-#: Spec key of a user's model: ``"package.module:callable"`` returning a ``torch.nn.Module`` (edge_client.factories).
-FACTORY_KEY = "factory"
 #: Spec key of a user's model: one sample's input shape without the batch axis, for the ONNX export.
 INPUT_SHAPE_KEY = "input_shape"
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.factories import FACTORY_KEY
+
 __all__ = [
     "INPUT_NAME",
     "OPSET",
@@ -52,7 +54,7 @@ def sample_shape_for(spec: Mapping[str, Any]) -> tuple[int, ...]:
     """The input shape of one sample (no batch axis) of a model spec: cnn / fedveca-cnn (C, H, W), mlp / svm (F,),
     char-lstm (seq_len,), a user's model (``factory``) its ``input_shape`` key."""
     name = spec.get("name") if isinstance(spec, Mapping) else None
-    if isinstance(spec, Mapping) and "factory" in spec:
+    if isinstance(spec, Mapping) and FACTORY_KEY in spec:
         shape = spec.get("input_shape")
         if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d > 0 for d in shape)):
             raise ValueError(

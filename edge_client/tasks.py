@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge_client.data import ArrayDataset
-from edge_client.factories import SERVER, AllowedCode, build_with_factory
+from edge_client.factories import FACTORY_KEY, SERVER, AllowedCode, build_with_factory
 
 __all__ = ["TASKS", "Task", "auc", "build_task", "combine_reports", "evaluate", "predicted_labels", "task_loss"]
 
@@ -159,7 +159,7 @@ def build_task(spec: Mapping[str, Any], allowed: AllowedCode = SERVER) -> Task:
     if not isinstance(spec, Mapping):
         raise ValueError(f"task spec must be a mapping, got {type(spec).__name__}")
     kwargs = dict(spec)
-    if "factory" not in kwargs:
+    if FACTORY_KEY not in kwargs:
         name = kwargs.pop("name", "classification")
         if kwargs or name not in TASKS:
             raise ValueError(

@@ -141,7 +141,8 @@ def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: s
             )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best")
+        if target.value is not None:  # else nothing is labelled
+            ax.legend(loc="best")
     axes[0].xaxis.get_major_locator().set_params(integer=True)
     axes[0].set_ylabel(f"{target.metric} ({'test set' if target.source == 'server' else 'devices, held out'})")
     fig.suptitle(title)

@@ -252,12 +252,23 @@ def test_evaluation_reports_are_admitted_only_as_asked() -> None:
 # ------------------------------------------------------------------------------------------- simulated fleets
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["inprocess", "broker"])
-def test_a_simulated_fleet_holds_out_and_both_evaluate(mode: str, broker: Broker, tmp_path: Path) -> None:
-    """[eval] holdout gives simulate's devices (processes or in-process) a held-out split; with mode both the server's
-    test set is the target's and the devices' sample-weighted report sits beside it in every evaluated row."""
-    config = make_config(tmp_path, f"both-{mode}", 3, 3, threads=1)
+def test_a_simulated_fleet_trains_the_users_model_and_both_evaluate(
+    mode: str, broker: Broker, user_code: Path, tmp_path: Path
+) -> None:
+    """simulate's devices (processes or in-process) import the run's own model and task factories, and [eval] holdout
+    gives them a held-out split; with mode both the server's test set is the target's and the devices'
+    sample-weighted report sits beside it in every evaluated row."""
+    name = module_of(user_code)
+    AllowedCode.of([user_code]).activate()  # as edge-server simulate --model-path does
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1 * rng.normal(size=400)).astype(np.float32)
+    np.savez(tmp_path / "linear.npz", x_train=x[:300], y_train=y[:300], x_test=x[300:], y_test=y[300:])
+    model = {"factory": f"{name}:build", "width": 8, "input_shape": [3]}
+    config = make_config(tmp_path, f"own-{mode}", 3, 3, dataset=str(tmp_path / "linear.npz"), model=model, threads=1)
+    config.task = {"factory": f"{name}:huber_task"}
     config.eval.mode, config.eval.every, config.eval.holdout = "both", 2, 0.2
-    bundle, ids = load_dataset("digits", seed=0), client_ids(3)
+    bundle, ids = load_dataset(config.data.dataset, seed=0), client_ids(3)
     out = Path(config.run.out)
     shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out / "shards")
     if mode == "broker":
@@ -269,9 +280,10 @@ def test_a_simulated_fleet_holds_out_and_both_evaluate(mode: str, broker: Broker
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     splits = [split_holdout(load_local_data(s), 0.2, config.run.seed, c) for c, s in zip(ids, shards, strict=True)]
     held_out = sum(len(held) for _, held in splits)
-    assert [("accuracy" in r, "client_eval" in r) for r in rows] == [(False, False), (True, True), (True, True)]
+    assert [r["clients_reported"] for r in rows] == [3, 3, 3]  # every device built the user's model and trained
+    assert [("mae" in r, "client_eval" in r) for r in rows] == [(False, False), (True, True), (True, True)]
     for r in (rows[1], rows[2]):  # every 2nd round and the last
         assert sorted(r["client_eval"]["devices"]) == ids and r["client_eval"]["num_samples"] == held_out
-        assert 0 <= r["client_eval"]["accuracy"] <= 1 and r["client_eval"]["loss"] > 0
-    assert summary["evaluated_by"] == "server test set" and summary["final_accuracy"] == rows[-1]["accuracy"]
-    assert summary["final_client_eval"]["num_samples"] == held_out
+        assert r["client_eval"]["mae"] > 0 and r["client_eval"]["loss"] > 0
+    assert summary["evaluated_by"] == "server test set" and summary["target_metric"] == "mae"
+    assert summary["final_mae"] == rows[-1]["mae"] and summary["final_client_eval"]["num_samples"] == held_out

@@ -21,6 +21,7 @@ from typing import Any
 from paho.mqtt.client import topic_matches_sub
 
 from edge_client.data import load_local_data, split_holdout
+from edge_client.factories import AllowedCode, factory_modules
 from edge_client.protocol import Message
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
@@ -164,6 +165,7 @@ def run_inprocess(
             link_factory=bus.connect,
             train=behaviour(roles[cid], cid),
             holdout=holdout,
+            allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
         )
         bus.add_client(client)
     orchestrator = make_orchestrator(
