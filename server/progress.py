@@ -90,7 +90,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("evaluated by", summary.get("evaluated_by")),
         ("rounds", fmt(summary.get("rounds"))),
         ("wall clock", fmt(summary.get("wall_clock_s"), " s")),
-        (f"target {metric}", fmt(summary.get("target"))),
+        (f"target {metric}", "none set" if summary.get("target") is None else fmt(summary["target"])),
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),

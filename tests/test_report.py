@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from server.progress import clients_table
+from server.progress import clients_table, summary_table
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.target import Target
 
@@ -174,3 +174,13 @@ def test_devices_evaluations_are_counted_and_shown_apart_from_training() -> None
     console = Console(width=200, record=True)
     console.print(clients_table(client_summary([{"clients": {"pi-1": train}}])))
     assert "eval" not in console.export_text()  # no device evaluated: no such columns
+
+
+def test_summary_table_says_when_no_target_was_set() -> None:
+    def rendered(target: float | None) -> str:
+        console = Console(width=200, record=True)
+        console.print(summary_table({"target_metric": "rmse", "target": target, "final_rmse": 0.25}))
+        return console.export_text()
+
+    assert "target rmse" in rendered(None) and "none set" in rendered(None)
+    assert "0.5000" in rendered(0.5) and "none set" not in rendered(0.5)
