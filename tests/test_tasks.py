@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_config
+from conftest import make_config, run_simulated
 
 from edge_client.algorithms import client_algorithm
 from edge_client.data import ArrayDataset, BatchSampler, load_local_data, split_holdout
@@ -20,12 +20,9 @@ from edge_client.models import build_model, fingerprint, get_flat, layout_differ
 from edge_client.protocol import Evaluation, ProtocolError
 from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate, task_loss
 from edge_client.trainer import plan_for, train_local
-from edge_client.transport import LinkConfig
 from server.broker import Broker
 from server.config import ConfigError, EvalSection
 from server.experiments.datasets import load_dataset
-from server.experiments.inprocess import run_inprocess
-from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
 from server.target import Target, eval_mode, run_target
@@ -268,16 +265,8 @@ def test_a_simulated_fleet_trains_the_users_model_and_both_evaluate(
     config = make_config(tmp_path, f"own-{mode}", 3, 3, dataset=str(tmp_path / "linear.npz"), model=model, threads=1)
     config.task = {"factory": f"{name}:huber_task"}
     config.eval.mode, config.eval.every, config.eval.holdout = "both", 2, 0.2
-    bundle, ids = load_dataset(config.data.dataset, seed=0), client_ids(3)
-    out = Path(config.run.out)
-    shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out / "shards")
-    if mode == "broker":
-        logins = {c: ClientLogin(c, (broker.devices.get(c) or broker.add_device(c)).password) for c in ids}
-        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-        summary = run_processes(config, shards, link, logins, bundle, out)
-    else:
-        summary = run_inprocess(config, shards, bundle, out)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary, ids, shards = run_simulated(mode, config, load_dataset(config.data.dataset, seed=0), broker)
+    rows = [json.loads(line) for line in (Path(config.run.out) / "metrics.jsonl").read_text().splitlines()]
     splits = [split_holdout(load_local_data(s), 0.2, config.run.seed, c) for c, s in zip(ids, shards, strict=True)]
     held_out = sum(len(held) for _, held in splits)
     assert [r["clients_reported"] for r in rows] == [3, 3, 3]  # every device built the user's model and trained
