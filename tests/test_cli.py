@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
+from server.cli import BROKER_DIED
 from server.cli import main as server_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,6 +194,28 @@ def test_broker_command_prints_credentials_and_stops_on_sigterm(broker: Broker, 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_broker_command_exits_nonzero_when_its_mosquitto_dies(broker: Broker, tmp_path: Path) -> None:
+    """A killed mosquitto is reaped and said, and the command exits with BROKER_DIED so that systemd restarts it."""
+    proc = subprocess.Popen(
+        [*SERVER, "broker", "--dir", str(tmp_path / "brk"), "--devices", "pi-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        LineReader(proc).until(r"credentials written to", time.monotonic() + TIMEOUT)
+        (mosquitto,) = psutil.Process(proc.pid).children()
+        mosquitto.kill()
+        assert proc.wait(timeout=TIMEOUT) == BROKER_DIED
+        assert proc.stderr is not None
+        assert re.search(rf"mosquitto \(pid {mosquitto.pid}\) was killed by signal 9", proc.stderr.read())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize(
