@@ -28,6 +28,7 @@ _MSG_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
+_ACK_REASON_RE = re.compile(r"[a-z_]{0,32}")  # empty when accepted
 
 
 class ProtocolError(ValueError):
@@ -78,6 +79,12 @@ class OutOfRound(ProtocolError):
 
 class DuplicateMessage(ProtocolError):
     reason = "duplicate"
+
+    def __init__(self, text: str, msg_id: str = "") -> None:
+        super().__init__(text)
+        #: the repeated message's id when the repeat stands for the whole message (a whole frame, or a chunked
+        #: message's first chunk): the server answers a repeat as it answered the first (server/delivery.py)
+        self.msg_id = msg_id
 
 
 def new_msg_id() -> str:
@@ -166,6 +173,7 @@ class Presence:
     online: bool
     role: str = "client"
     reason: str = ""
+    run_id: str = ""  # the server's: the run it serves (a device learns the current run from it)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "presence"
 
@@ -176,6 +184,42 @@ class Stop:
     run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "stop"
+
+
+# -- acknowledgements and resync (issue 12) -------------------------------------------------------------------------
+@dataclass
+class Ack:
+    """Server -> one client: what became of one message it sent (hello, update, failure, resync), by message id.
+
+    ``accepted`` False carries the refusal's reason code (the one counted in the metrics) and its text. A repeated
+    message is answered again with the same verdict and never processed twice, so a device re-sends an update until
+    it has an ack. Every ack names the server's run: how a device learns it without a retained presence.
+    """
+
+    of: str
+    accepted: bool
+    round: int = 0
+    reason: str = ""
+    detail: str = ""
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "ack"
+
+
+@dataclass
+class Resync:
+    """Client -> server: this device may have lost its assignment (its process started, or it connected without its
+    broker session); the server sends the round's assignment again if the device has one and has not answered it,
+    unless it went out after ``since`` (the hello that opened the device's current connection: what the server sent
+    after it reached the device anyway) or is ``run_id``'s round ``round`` (the newest the device served).
+    """
+
+    client_id: str
+    since: str = ""
+    round: int = 0
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "resync"
 
 
 @dataclass
@@ -205,7 +249,7 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
-Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile
+Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | Ack | Resync
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -323,8 +367,23 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "online": ("online", _bool),
         "role": ("role", _str(choices=("client", "server"))),
         "reason": ("reason", _TEXT),
+        "run": ("run_id", _RUN),
     },
     "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
+    "ack": {
+        "of": ("of", _str(_MSG_ID_RE)),
+        "accepted": ("accepted", _bool),
+        "round": ("round", _NONNEG),
+        "reason": ("reason", _str(_ACK_REASON_RE)),
+        "detail": ("detail", _text(2000)),
+        "run": ("run_id", _RUN),
+    },
+    "resync": {
+        "client_id": ("client_id", _CID),
+        "since": ("since", _str(_RUN_ID_RE)),  # a msg id, or empty when the device has not said hello
+        "round": ("round", _NONNEG),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
@@ -335,7 +394,9 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "sha256": ("sha256", _str(_SHA256_RE)),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk)}
+_CLASSES: dict[str, type] = {
+    c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk, Ack, Resync)
+}
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
 _VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults

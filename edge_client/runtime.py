@@ -4,7 +4,7 @@
 
     client = EdgeClient("pi-kitchen", my_dataset, LinkConfig("mqtts://broker:8883", "pi-kitchen", password),
                         model_factory=lambda spec: MyNet())
-    client.run()
+    client.run()  # serves the job's runs until the process is stopped; run(once=True): until its run ends
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.protocol import Ack, Assignment, Failure, Hello, Message, Presence, Resync, Stop, Update, encode
+from edge_client.session import Session
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -64,6 +65,8 @@ class EdgeClient:
         self.state_dir = state_dir
         self.train = train
         self.rounds_done = 0
+        self.once = False  # run(once=True): leave after the first run that ends
+        self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
         # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
         # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
         # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
@@ -77,7 +80,7 @@ class EdgeClient:
         subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
         self.link: Link
         if link_factory is not None:
-            self.link = link_factory(subscriptions, self._say_hello)
+            self.link = link_factory(subscriptions, self._connected)
         elif link_config is None:
             raise ValueError("EdgeClient needs a link_config (the broker to use) or a link_factory")
         else:
@@ -87,20 +90,49 @@ class EdgeClient:
                 f"edgefl-{job}-{self.client_id}",
                 subscriptions,
                 will=(self.topics.up(self.client_id), will, False),
-                on_connect=self._say_hello,
+                on_connect=self._connected,
             )
 
-    def _say_hello(self) -> None:
-        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())
+    def _connected(self) -> None:
+        """Every (re)connect (on the link's thread): register, and let the main loop catch up (``_catch_up``)."""
+        hello = self._hello()
+        self.session.connected(self.link.session_present, hello.msg_id)
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
-    def run(self, max_rounds: int | None = None) -> None:
-        """Serve assignments until the server says stop (or ``max_rounds`` updates were sent)."""
+    def _hello(self) -> Hello:
+        return Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())
+
+    def _say_hello(self) -> None:
+        hello = self._hello()
+        self.session.sending(hello.msg_id, hello.TYPE)
+        self.link.publish(self.topics.up(self.client_id), encode(hello))
+
+    def _catch_up(self) -> None:
+        """Send again the report the server has not answered, and ask for the round's assignment, when due."""
+        payload = self.session.due()
+        if payload is not None:
+            self.link.publish(self.topics.up(self.client_id), payload)
+        if self.session.ask():
+            run, round_, _ = self.served
+            resync = Resync(self.client_id, self.session.since, round_, run)
+            self.session.sending(resync.msg_id, resync.TYPE)
+            self.link.publish(self.topics.up(self.client_id), encode(resync))
+
+    def _report(self, report: Update | Failure, payload: bytes | bytearray, deadline_s: float) -> int:
+        """Send an update or failure report (``payload``: it encoded); pending until the server answers it."""
+        self.session.sent(report, payload, deadline_s)
+        return self.link.publish(self.topics.up(self.client_id), payload)
+
+    def run(self, max_rounds: int | None = None, *, once: bool = False) -> None:
+        """Serve the job's runs: one after another until the process is stopped, or ``once``: until the run this
+        device takes part in ends (or ``max_rounds`` updates were sent)."""
         prepare_process(self.threads)
+        self.once = once
         self.link.start()
         log.info("%s connected with %d samples; waiting for assignments", self.client_id, len(self.dataset))
         try:
             while max_rounds is None or self.rounds_done < max_rounds:
+                self._catch_up()
                 received = self.link.receive(timeout=1.0)
                 if received is None:
                     continue
@@ -115,14 +147,22 @@ class EdgeClient:
             self.link.stop()
 
     def handle(self, msg: Message) -> bool:
-        """Act on one message from the server; False once the server said stop."""
+        """Act on one message from the server; False once the run this device took part in ended and ``once``."""
+        waited: Assignment | None = None
         if isinstance(msg, Stop):
-            log.info("server says stop: %s", msg.reason)
-            return False
-        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-            self._say_hello()  # the server (re)started: register again
-        elif isinstance(msg, Assignment):
+            if self.session.stop(msg):
+                log.info("left run %s; %s", msg.run_id, "exiting (--once)" if self.once else "waiting for the next run")
+                return not self.once
+        elif isinstance(msg, Presence) and msg.role == "server":
+            if msg.online:
+                self._say_hello()  # the server (re)started: register again
+            waited = self.session.server(msg)
+        elif isinstance(msg, Ack):
+            waited = self.session.acked(msg)
+        elif isinstance(msg, Assignment) and self.session.admit(msg):
             self._serve(msg)
+        if waited is not None and self.session.admit(waited):
+            self._serve(waited)
         return True
 
     def _model_for(self, spec: dict[str, Any]) -> FlatModel:
@@ -156,7 +196,7 @@ class EdgeClient:
         """Tell the server this round cannot be served (so it stops waiting) and keep serving the next ones."""
         log.error("round %d: cannot serve the assignment (%s): %s", assignment.round, reason, exc)
         failure = Failure(assignment.round, self.client_id, reason, str(exc)[:2000], run_id=assignment.run_id)
-        self.link.publish(self.topics.up(self.client_id), encode(failure))
+        self._report(failure, encode(failure), assignment.deadline_s)
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
@@ -248,7 +288,7 @@ class EdgeClient:
         payload = encode(update)
         serialize_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sent = self.link.publish(self.topics.up(self.client_id), payload)
+        sent = self._report(update, payload, assignment.deadline_s)
         self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
         # Serialising and uploading happen after the update is built, so they travel with the next one.
         self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}

@@ -18,6 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
+from edge_client.exits import ExitStatus
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
@@ -80,7 +81,16 @@ def test_simulate_help_lists_its_flags() -> None:
 
 def test_client_run_help_lists_its_flags() -> None:
     out = run([*CLIENT, "run", "--help"]).stdout
-    for flag in ("--broker", "--client-id", "--data", "--username", "--password-file", "--job", "--max-rounds"):
+    for flag in (
+        "--broker",
+        "--client-id",
+        "--data",
+        "--username",
+        "--password-file",
+        "--job",
+        "--max-rounds",
+        "--once",
+    ):
         assert flag in out
 
 
@@ -235,7 +245,7 @@ def test_broker_site_and_bridge_flags_are_checked_before_anything_starts(
     assert not (tmp_path / "b").exists()
 
 
-def test_client_with_wrong_password_exits_2_naming_the_login(broker: Broker, tmp_path: Path) -> None:
+def test_client_with_wrong_password_exits_refused_naming_the_login(broker: Broker, tmp_path: Path) -> None:
     data = tmp_path / "shard.npz"
     rng = np.random.default_rng(0)
     np.savez(data, x=rng.normal(size=(16, 8)).astype(np.float32), y=rng.integers(0, 3, size=16))
@@ -256,6 +266,6 @@ def test_client_with_wrong_password_exits_2_naming_the_login(broker: Broker, tmp
         ],
         env={"EDGEFL_PASSWORD": "not-" + broker.devices["c5"].password},
     )
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.returncode == ExitStatus.REFUSED, result.stderr[-2000:]  # the unit does not restart on it
     assert "'c5'" in result.stderr
     assert re.search(r"username and password", result.stderr), result.stderr[-2000:]
