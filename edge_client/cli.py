@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,15 @@ if TYPE_CHECKING:
 
 from edge_client import __version__
 from edge_client.chunking import DEFAULT_CHUNK_SIZE
+from edge_client.exits import ExitStatus, describe
+
+
+class Terminated(Exception):
+    """SIGTERM (``systemctl stop``): leave cleanly, telling the server this device is offline."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def _password(args: argparse.Namespace) -> str | None:
@@ -65,8 +75,9 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
         holdout=holdout,
         allowed=AllowedCode.of(args.model_path or (), args.model_package or ()),
     )
-    client.run(max_rounds=args.max_rounds)
-    return 0
+    signal.signal(signal.SIGTERM, _terminate)
+    client.run(max_rounds=args.max_rounds, once=args.once)
+    return ExitStatus.FINISHED
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -151,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         parents=[connection],
-        help="register with the server and train on its assignments until it says stop",
-        description="Register with the server, train on each assignment, report the update.",
+        help="register with the server and train on its assignments, run after run",
+        description="Register with the server, train on each assignment, report the update; when a run ends, wait "
+        "for the next one (--once: exit).",
+        epilog=describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument(
         "--data",
@@ -197,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory where algorithm state that must survive a restart is kept "
         "(SCAFFOLD's control variate, FedUmf's stored update)",
     )
-    run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
+    run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: no limit)")
+    run.add_argument(
+        "--once",
+        action="store_true",
+        help="exit (status 0) when the run this device takes part in ends, instead of waiting for the next run",
+    )
     run.set_defaults(func=cmd_run)
 
     fetch = sub.add_parser(
@@ -261,20 +280,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("edge-client")
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return 130
+        return ExitStatus.INTERRUPTED
+    except Terminated:
+        log.info("stopped (SIGTERM)")
+        return ExitStatus.FINISHED
+    except (ConnectionError, TimeoutError) as exc:
+        from edge_client.transport import LoginRefused
+
+        log.error("%s", exc)
+        return ExitStatus.REFUSED if isinstance(exc, LoginRefused) else ExitStatus.UNAVAILABLE
+    except (FileNotFoundError, PermissionError, ValueError) as exc:
+        log.error("%s", exc)
+        return ExitStatus.CONFIG
     except RuntimeError as exc:
         from edge_client.runtime import Refused
 
         if not isinstance(exc, Refused):
             raise
-        logging.getLogger("edge-client").error("%s", exc)
-        return 3
-    except (ConnectionError, FileNotFoundError, TimeoutError, ValueError) as exc:
-        logging.getLogger("edge-client").error("%s", exc)
-        return 2
+        log.error("%s", exc)
+        return ExitStatus.CONFIG
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
 _FINGERPRINT_RE = re.compile(r"(|[0-9a-f]{64})")
+_ACK_REASON_RE = re.compile(r"[a-z_]{0,32}")  # empty when accepted
 
 
 class ProtocolError(ValueError):
@@ -79,6 +80,12 @@ class OutOfRound(ProtocolError):
 
 class DuplicateMessage(ProtocolError):
     reason = "duplicate"
+
+    def __init__(self, text: str, msg_id: str = "") -> None:
+        super().__init__(text)
+        #: the repeated message's id when the repeat stands for the whole message (a whole frame, or a chunked
+        #: message's first chunk): the server answers a repeat as it answered the first (server/delivery.py)
+        self.msg_id = msg_id
 
 
 def new_msg_id() -> str:
@@ -175,6 +182,7 @@ class Presence:
     # The server's: the run's model spec and its fingerprint, so a device can say at registration what its model is.
     model: dict[str, Any] = field(default_factory=dict)
     fingerprint: str = ""
+    run_id: str = ""  # the server's: the run it serves (a device learns the current run from it)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "presence"
 
@@ -185,6 +193,42 @@ class Stop:
     run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "stop"
+
+
+# -- acknowledgements and resync (issue 12) -------------------------------------------------------------------------
+@dataclass
+class Ack:
+    """Server -> one client: what became of one message it sent (hello, update, failure, resync), by message id.
+
+    ``accepted`` False carries the refusal's reason code (the one counted in the metrics) and its text. A repeated
+    message is answered again with the same verdict and never processed twice, so a device re-sends an update until
+    it has an ack. Every ack names the server's run: how a device learns it without a retained presence.
+    """
+
+    of: str
+    accepted: bool
+    round: int = 0
+    reason: str = ""
+    detail: str = ""
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "ack"
+
+
+@dataclass
+class Resync:
+    """Client -> server: this device may have lost its assignment (its process started, or it connected without its
+    broker session); the server sends the round's assignment again if the device has one and has not answered it,
+    unless it went out after ``since`` (the hello that opened the device's current connection: what the server sent
+    after it reached the device anyway) or is ``run_id``'s round ``round`` (the newest the device served).
+    """
+
+    client_id: str
+    since: str = ""
+    round: int = 0
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "resync"
 
 
 @dataclass
@@ -258,7 +302,9 @@ class Refusal:
     TYPE: ClassVar[str] = "refusal"
 
 
-Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | Evaluate | Evaluation | Refusal
+Message = (
+    Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | Evaluate | Evaluation | Refusal | Ack | Resync
+)
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -385,8 +431,23 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "reason": ("reason", _TEXT),
         "model": ("model", _dict),
         "fingerprint": ("fingerprint", _str(_FINGERPRINT_RE)),
+        "run": ("run_id", _RUN),
     },
     "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
+    "ack": {
+        "of": ("of", _str(_MSG_ID_RE)),
+        "accepted": ("accepted", _bool),
+        "round": ("round", _NONNEG),
+        "reason": ("reason", _str(_ACK_REASON_RE)),
+        "detail": ("detail", _text(2000)),
+        "run": ("run_id", _RUN),
+    },
+    "resync": {
+        "client_id": ("client_id", _CID),
+        "since": ("since", _str(_RUN_ID_RE)),  # a msg id, or empty when the device has not said hello
+        "round": ("round", _NONNEG),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "evaluate": {
         "round": ("round", _NONNEG),
@@ -422,14 +483,25 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
 }
 _CLASSES: dict[str, type] = {
     c.TYPE: c
-    for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk, Evaluate, Evaluation, Refusal)
+    for c in (
+        Hello,
+        Assignment,
+        Update,
+        Failure,
+        Presence,
+        Stop,
+        ModelFile,
+        Chunk,
+        Evaluate,
+        Evaluation,
+        Refusal,
+        Ack,
+        Resync,
+    )
 }
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
-_VECTOR = {"assignment": "weights", "update": "delta", "evaluate": "weights"}
-_EXTRA_ARRAYS = (
-    "assignment",
-    "update",
-)  # types that also carry named "x:<name>" arrays (the contract's)  # the required 1-D float32 vector of each type
+_VECTOR = {"assignment": "weights", "update": "delta", "evaluate": "weights"}  # the required 1-D float32 vector
+_EXTRA_ARRAYS = ("assignment", "update")  # types that also carry named "x:<name>" arrays (the contract's)
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
 }

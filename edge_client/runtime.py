@@ -4,7 +4,7 @@
 
     client = EdgeClient("pi-kitchen", my_dataset, LinkConfig("mqtts://broker:8883", "pi-kitchen", password),
                         model_factory=lambda spec: MyNet())
-    client.run()
+    client.run()  # serves the job's runs until the process is stopped; run(once=True): until its run ends
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, fingerprint, parameter_layout
 from edge_client.protocol import (
+    Ack,
     Assignment,
     Evaluate,
     Evaluation,
@@ -36,10 +37,12 @@ from edge_client.protocol import (
     Message,
     Presence,
     Refusal,
+    Resync,
     Stop,
     Update,
     encode,
 )
+from edge_client.session import Session
 from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
@@ -92,6 +95,8 @@ class EdgeClient:
         self.state_dir = state_dir
         self.train = train
         self.rounds_done = 0
+        self.once = False  # run(once=True): leave after the first run that ends
+        self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
         # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
         # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
         # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
@@ -108,7 +113,7 @@ class EdgeClient:
         subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
         self.link: Link
         if link_factory is not None:
-            self.link = link_factory(subscriptions, self._say_hello)
+            self.link = link_factory(subscriptions, self._connected)
         elif link_config is None:
             raise ValueError("EdgeClient needs a link_config (the broker to use) or a link_factory")
         else:
@@ -118,36 +123,71 @@ class EdgeClient:
                 f"edgefl-{job}-{self.client_id}",
                 subscriptions,
                 will=(self.topics.up(self.client_id), will, False),
-                on_connect=self._say_hello,
+                on_connect=self._connected,
             )
 
-    def _say_hello(self) -> None:
-        """Register, with this device's model for the spec the server announced (nothing before the announcement:
+    def _connected(self) -> None:
+        """Every (re)connect (on the link's thread): register, and let the main loop catch up (``_catch_up``). Before
+        the server announced its model there is no hello yet: the announcement's ``_say_hello`` registers."""
+        hello = self._hello()
+        self.session.connected(self.link.session_present, hello.msg_id if hello else "")
+        if hello is not None:
+            self.link.publish(self.topics.up(self.client_id), encode(hello))
+
+    def _hello(self) -> Hello | None:
+        """Registration, with this device's model for the spec the server announced (None before the announcement:
         the server checks the model at registration)."""
         if self._server_model is None:
-            return
+            return None
         try:
             layout = parameter_layout(self._model_for(self._server_model).module)
             model: dict[str, Any] = {"digest": fingerprint(layout), "layout": layout[:LAYOUT_SENT]}
         except Exception as exc:  # the server says so in its refusal, and its log names this device
             log.error("cannot build the server's model %s: %s", self._server_model, exc)
             model = {"error": str(exc)[:1000]}
-        hello = Hello(
+        return Hello(
             client_id=self.client_id,
             num_samples=len(self.dataset),
             device=device.device_info(),
             model=model,
             eval_samples=len(self.holdout) if self.holdout is not None else 0,
         )
+
+    def _say_hello(self) -> None:
+        hello = self._hello()
+        if hello is None:
+            return
+        self.session.sending(hello.msg_id, hello.TYPE)
+        if not self.session.since:  # the first hello of this connection (sent once the server announced its model)
+            self.session.since = hello.msg_id
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
-    def run(self, max_rounds: int | None = None) -> None:
-        """Serve assignments until the server says stop (or ``max_rounds`` updates were sent)."""
+    def _catch_up(self) -> None:
+        """Send again the report the server has not answered, and ask for the round's assignment, when due."""
+        payload = self.session.due()
+        if payload is not None:
+            self.link.publish(self.topics.up(self.client_id), payload)
+        if self.session.ask():
+            run, round_, _ = self.served
+            resync = Resync(self.client_id, self.session.since, round_, run)
+            self.session.sending(resync.msg_id, resync.TYPE)
+            self.link.publish(self.topics.up(self.client_id), encode(resync))
+
+    def _report(self, report: Update | Failure, payload: bytes | bytearray, deadline_s: float) -> int:
+        """Send an update or failure report (``payload``: it encoded); pending until the server answers it."""
+        self.session.sent(report, payload, deadline_s)
+        return self.link.publish(self.topics.up(self.client_id), payload)
+
+    def run(self, max_rounds: int | None = None, *, once: bool = False) -> None:
+        """Serve the job's runs: one after another until the process is stopped, or ``once``: until the run this
+        device takes part in ends (or ``max_rounds`` updates were sent)."""
         prepare_process(self.threads)
+        self.once = once
         self.link.start()
         log.info("%s connected with %d samples; waiting for assignments", self.client_id, len(self.dataset))
         try:
             while max_rounds is None or self.rounds_done < max_rounds:
+                self._catch_up()
                 received = self.link.receive(timeout=1.0)
                 if received is None:
                     continue
@@ -164,21 +204,29 @@ class EdgeClient:
             self.link.stop()
 
     def handle(self, msg: Message) -> bool:
-        """Act on one message from the server; False once the server said stop."""
+        """Act on one message from the server; False once the run this device took part in ended and ``once``."""
+        waited: Assignment | None = None
         if isinstance(msg, Stop):
-            log.info("server says stop: %s", msg.reason)
-            return False
-        if isinstance(msg, Refusal):
+            if self.session.stop(msg):
+                log.info("left run %s; %s", msg.run_id, "exiting (--once)" if self.once else "waiting for the next run")
+                return not self.once
+        elif isinstance(msg, Refusal):
             self.refusal = f"the server refused {self.client_id} ({msg.reason}): {msg.detail}"
             log.error("%s", self.refusal)
             return False
-        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-            self._server_model = dict(msg.model)
-            self._say_hello()  # the server (re)started: register again
-        elif isinstance(msg, Assignment):
+        elif isinstance(msg, Presence) and msg.role == "server":
+            if msg.online:
+                self._server_model = dict(msg.model)
+                self._say_hello()  # the server (re)started: register again
+            waited = self.session.server(msg)
+        elif isinstance(msg, Ack):
+            waited = self.session.acked(msg)
+        elif isinstance(msg, Assignment) and self.session.admit(msg):
             self._serve(msg)
         elif isinstance(msg, Evaluate):
             self._evaluate(msg)
+        if waited is not None and self.session.admit(waited):
+            self._serve(waited)
         return True
 
     def _model_for(self, spec: dict[str, Any], task: Task | None = None) -> FlatModel:
@@ -204,7 +252,7 @@ class EdgeClient:
         """Evaluate the global model on the held-out split and report loss, metrics and the device's time."""
         if self.holdout is None:
             detail = ValueError("this device holds out no data; start it with --holdout 0.1")
-            self._fail(request.round, request.run_id, "no_holdout", detail)
+            self._fail(request.round, request.run_id, "no_holdout", detail, request.deadline_s)
             return
         try:
             task = self._task_for(request.task)
@@ -214,7 +262,7 @@ class EdgeClient:
             result = evaluate(model.module, task, self.holdout)
             eval_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
         except Exception as exc:  # a request this device cannot serve must not end the client
-            self._fail(request.round, request.run_id, "evaluate", exc)
+            self._fail(request.round, request.run_id, "evaluate", exc, request.deadline_s)
             return
         loss = result.pop("loss", float("nan"))
         report = Evaluation(
@@ -246,11 +294,11 @@ class EdgeClient:
             tmp.write_text(json.dumps({"run": a.run_id, "round": a.round, "msg_id": a.msg_id}))
             os.replace(tmp, path)
 
-    def _fail(self, round_: int, run_id: str, reason: str, exc: BaseException) -> None:
+    def _fail(self, round_: int, run_id: str, reason: str, exc: BaseException, deadline_s: float) -> None:
         """Tell the server this round cannot be served (so it stops waiting) and keep serving the next ones."""
         log.error("round %d: cannot serve the server's request (%s): %s", round_, reason, exc)
         failure = Failure(round_, self.client_id, reason, str(exc)[:2000], run_id=run_id)
-        self.link.publish(self.topics.up(self.client_id), encode(failure))
+        self._report(failure, encode(failure), deadline_s)
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
@@ -290,7 +338,7 @@ class EdgeClient:
                 )
             plan = plan_for(assignment, algorithm, model.size)
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
-            self._fail(assignment.round, assignment.run_id, "assignment", exc)
+            self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
@@ -302,7 +350,7 @@ class EdgeClient:
             result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
-            self._fail(assignment.round, assignment.run_id, "train_error", exc)
+            self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
             return
         self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
@@ -342,7 +390,7 @@ class EdgeClient:
         payload = encode(update)
         serialize_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sent = self.link.publish(self.topics.up(self.client_id), payload)
+        sent = self._report(update, payload, assignment.deadline_s)
         self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
         # Serialising and uploading happen after the update is built, so they travel with the next one.
         self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from server.bridge import BridgeSettings
 
 log = logging.getLogger("edgefl.server")
+BROKER_DIED = 69  # EX_UNAVAILABLE: `edge-server broker` exits with it when its mosquitto dies
 
 DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
@@ -325,7 +326,12 @@ def cmd_broker(args: argparse.Namespace) -> int:
             print(f"bridging these devices to {settings.bridge.url} as {settings.bridge.username}")
         print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+            while not stop.wait(1.0):  # supervise: a dead broker must not look like a running one
+                died = broker.died()
+                if died is not None:
+                    print(f"edge-server: error: {died}\nexiting so that a service manager (or you) can start it again",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    return BROKER_DIED
     return 0
 
 

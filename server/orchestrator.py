@@ -43,6 +43,7 @@ from edge_client.protocol import (
     Presence,
     ProtocolError,
     Refusal,
+    Resync,
     Stop,
     Update,
     encode,
@@ -53,6 +54,7 @@ from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.config import RunConfig
+from server.delivery import Delivery
 from server.evaluation import Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.live_state import LiveState
@@ -149,6 +151,8 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
+        self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
+        self.link.answer_repeats(self.delivery.repeated)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -165,8 +169,12 @@ class Orchestrator:
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        """Online, retained: on every (re)connect, so the last will's retained 'offline' never outlives a reconnect."""
-        online = Presence("server", True, "server", model=self.model_spec, fingerprint=self.fingerprint)
+        """Online, retained, with the run id and the model: on every (re)connect, so the last will's retained 'offline'
+        never outlives a reconnect and devices learn the current run (and send again what this server may have lost)
+        and the model to say at registration they hold."""
+        online = Presence(
+            "server", True, "server", model=self.model_spec, fingerprint=self.fingerprint, run_id=self.run_id
+        )
         self.link.publish(self.topics.server, encode(online), retain=True)
 
     def _sender_budget(self, topic: str) -> int:
@@ -180,6 +188,9 @@ class Orchestrator:
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
         self.live.heard(sender)
+        if sender is not None and self.delivery.repeat(sender, msg.msg_id):
+            return  # answered again, never processed twice
+        error: ProtocolError | None = None
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -194,11 +205,16 @@ class Orchestrator:
             elif isinstance(msg, Evaluation):
                 record = self.clients.get(sender)
                 self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
+            elif isinstance(msg, Resync):
+                self._resync(sender, msg)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
             self.link.reject(topic, exc)
             self.live.rejected(sender, exc.reason)
+            error = exc
+        if sender is not None:
+            self.delivery.answer(sender, msg, self.run_id, self.current, error)
 
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
@@ -287,6 +303,11 @@ class Orchestrator:
                 state.round, sender, failure.reason, failure.detail,
             )  # fmt: skip
 
+    def _resync(self, sender: str, resync: Resync) -> None:
+        if resync.client_id != sender:
+            raise InvalidField(f"resync on the topic of {sender!r} claims client id {resync.client_id!r}")
+        self.delivery.resend(sender, resync, self.run_id, self.current)
+
     def _pump(self, timeout: float) -> None:
         received = self.link.receive(timeout)
         if received is not None:
@@ -344,6 +365,7 @@ class Orchestrator:
                 task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
+            self.delivery.assigned(round_, cid, a)
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
             told[cid] = {**assignment_summary(a), "bytes_down": self.link.publish(self.topics.down(cid), encode(a))}
         return told
@@ -570,11 +592,8 @@ class Orchestrator:
     def _shutdown(self) -> None:
         try:
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
-            self.link.publish(
-                self.topics.server,
-                encode(Presence(client_id="server", online=False, role="server", reason="stopped")),
-                retain=True,
-            )
+            offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
+            self.link.publish(self.topics.server, encode(offline), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:
             self.link.stop()

@@ -249,12 +249,14 @@ def start_federation(
     clients: int = 3,
     rounds: int = 3,
     dataset: str = "digits",
+    once: bool = True,
     **settings: Any,
 ) -> tuple[Orchestrator, dict[str, subprocess.Popen]]:
     """Start client processes client-00.. (each on the broker ``client_broker`` names) and build the server on ``link``.
 
     ``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section; ``dataset``: a
-    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote.
+    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the clients exit when the run
+    ends (else they wait for the next run, as devices do).
     """
     config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
     config.broker.max_packet_size = link.max_packet_size or 0
@@ -266,7 +268,7 @@ def start_federation(
     for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
         urls[cid], password = client_broker(cid)
         logins[cid] = ClientLogin(cid, password)
-    procs = start_clients(config, urls, logins, shards, out)
+    procs = start_clients(config, urls, logins, shards, out, once=once)
     return make_orchestrator(config, bundle, out, link_config=link, root=root), procs
 
 

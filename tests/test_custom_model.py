@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_client.exits import ExitStatus
 from edge_client.models import build_model, set_flat
 from edge_client.predictor import Predictor
 from server.broker import Broker
@@ -33,6 +34,7 @@ def _client(broker: Broker, cid: str, data: Path, model_path: Path, job: str, lo
     cmd = [
         sys.executable, "-m", "edge_client.cli", "run", "--broker", broker.url, "--client-id", cid,
         "--data", str(data), "--holdout", "0.2", "--model-path", str(model_path), "--job", job, "--threads", "1",
+        "--once",
     ]  # fmt: skip
     return _start(cmd, broker.add_device(cid).password, log)
 
@@ -67,9 +69,9 @@ def test_the_example_trains_a_custom_model_evaluated_on_the_devices(broker: Brok
                 p.kill()
                 p.wait()
 
-    # The stale device was refused at registration, told which parameter differs, and exited with status 3.
+    # The stale device was refused at registration, told which parameter differs, and exited with EX_CONFIG (78).
     stale_log = (tmp_logs / f"{STALE}.log").read_text()
-    assert codes == {**dict.fromkeys(GOOD, 0), STALE: 3}, stale_log[-2000:]
+    assert codes == {**dict.fromkeys(GOOD, 0), STALE: ExitStatus.CONFIG}, stale_log[-2000:]
     assert "refused" in stale_log and "'0.weight' [8, 1, 5]" in stale_log and "[8, 1, 7]" in stale_log
 
     summary = json.loads((out / "summary.json").read_text())

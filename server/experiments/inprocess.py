@@ -80,6 +80,8 @@ class LocalBus:
 class LocalLink(Inbox):
     """A ``Link`` on a ``LocalBus``: publishing delivers at once, and the server's ``receive`` runs waiting clients."""
 
+    session_present = True  # a bus loses nothing
+
     def __init__(
         self,
         bus: LocalBus,

@@ -122,10 +122,13 @@ def start_clients(
     shards: list[Path],
     out_dir: Path,
     ca_file: str | None = None,
+    *,
+    once: bool = True,
 ) -> dict[str, subprocess.Popen]:
     """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``.
 
     ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster).
+    ``once``: each exits when the run ends (a simulation); else they stay for the next run, as devices do.
     """
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +163,7 @@ def start_clients(
             str(config.broker.chunk_size),
             "--state-dir",
             str(state_dirs[cid]),
+            *(["--once"] if once else []),
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
