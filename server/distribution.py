@@ -91,8 +91,9 @@ class Distribution:
         self.current, slim = split_round(self.contract, round_, version, assignments)
         return slim
 
-    def send(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, int]:
-        """Publish the round's model (unless this version went out already) and every assignment; bytes per client."""
+    def send(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, tuple[Assignment, int]]:
+        """Publish the round's model (unless this version went out already) and every assignment; per client the
+        assignment as sent (naming the model) and its bytes."""
         self._answered.clear()
         if not assignments:
             return {}
@@ -100,7 +101,7 @@ class Distribution:
         assert self.current is not None
         if self.current.sha256 != self._published:
             self._broadcast(self.current)
-        return {cid: self._publish(self.topics.down(cid), encode(a)) for cid, a in slim.items()}
+        return {cid: (a, self._publish(self.topics.down(cid), encode(a))) for cid, a in slim.items()}
 
     def _broadcast(self, model: GlobalModel) -> None:
         """Frame ``i`` retained on its own topic: one topic would keep only the last chunk of a chunked model."""
@@ -133,6 +134,10 @@ class Distribution:
         sent = self._publish(self.topics.down(sender), self.model_message(model))
         log.warning("round %d: %s did not get the model broadcast; sent it %d bytes on its own topic",
                     model.round, sender, sent)  # fmt: skip
+
+    def lost(self, sender: str) -> None:
+        """``sender`` was sent its assignment again (``server.delivery``): it may ask for the model once more."""
+        self._answered.discard(sender)
 
     def clear(self) -> None:
         """Remove the retained frames at the end of a run: no device needs that model any more."""

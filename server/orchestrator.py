@@ -1,10 +1,12 @@
 """The round loop over MQTT: register clients, select, assign, collect until a timer deadline, aggregate, evaluate.
 
 Each round's model goes out once for every device (``server.distribution``); assignments only name it. Round t's model
-is evaluated on a thread of its own while the clients train round t+1 (``server.evaluation.EvaluationWorker``): its
-metrics row, stamped with the time the model was produced, is written with its checkpoint once that evaluation is
-done, so rows stay one per round and in order, and the round's time does not include the evaluation. With
-``run.stop_at_target`` the run therefore stops after the round that was training when the target was seen.
+is evaluated on the server's test set on a thread of its own while the clients train round t+1
+(``server.evaluation.EvaluationWorker``): its metrics row, stamped with the time the model was produced, is written
+with its checkpoint once that evaluation is done, so rows stay one per round and in order, and the round's time does
+not include the evaluation. With ``run.stop_at_target`` the run therefore stops after the round that was training when
+the target was seen. The devices' evaluation on their held-out splits (``server.federated_eval``) is collected right
+after the aggregation, before round t+1 starts; a round evaluated by the devices alone is written at once.
 
 The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
 round; a client whose last will says it went offline, or that reports it cannot serve its assignment, is not waited
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -35,9 +38,11 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, get_flat, num_params
+from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
+    Evaluate,
+    Evaluation,
     Failure,
     Hello,
     InvalidField,
@@ -47,22 +52,28 @@ from edge_client.protocol import (
     ModelRequest,
     Presence,
     ProtocolError,
+    Refusal,
+    Resync,
     Stop,
     Update,
     encode,
 )
+from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.config import RunConfig
+from server.delivery import Delivery
 from server.distribution import Distribution
-from server.evaluation import Evaluation, EvaluationWorker, Evaluator
+from server.evaluation import EvaluationWorker, Evaluator, TestResult
+from server.federated_eval import EvalRound, FederatedEvaluation
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import assignment_summary
+from server.target import eval_mode, run_target
 
 log = logging.getLogger("edgefl.server")
 
@@ -89,6 +100,13 @@ class ClientRecord:
     num_samples: int
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
+    eval_samples: int = 0  # the held-out split it evaluates on
+
+
+class ModelMismatch(InvalidField):
+    """A device whose model's parameter layout is not the server's: refused at registration."""
+
+    reason = "model"
 
 
 @dataclass
@@ -100,7 +118,7 @@ class Produced:
     weights: np.ndarray
     version: int
     state: dict[str, np.ndarray]
-    evaluation: Future[Evaluation]
+    evaluation: Future[TestResult] | None  # None: no test-set evaluation this round
 
 
 class Orchestrator:
@@ -108,7 +126,7 @@ class Orchestrator:
         self,
         config: RunConfig,
         link_config: LinkConfig,
-        evaluator: Evaluator,
+        evaluator: Evaluator | None,
         model_spec: dict[str, Any],
         out_dir: Path,
         *,
@@ -134,7 +152,14 @@ class Orchestrator:
         self.current: RoundState | None = None
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
-        self.num_params = num_params(build_model(model_spec))
+        self.layout = parameter_layout(build_model(model_spec))
+        self.fingerprint = fingerprint(self.layout)
+        self.num_params = sum(math.prod(shape) for _, shape, _ in self.layout)
+        # What the model is for and who measures it (evaluator None: the server holds no test set).
+        self.task = build_task(config.task)
+        self.eval_mode = eval_mode(config, evaluator is not None)
+        self.target = run_target(config, self.task, self.eval_mode)
+        self.federated = FederatedEvaluation(self.task, config.eval, config.run.rounds)
         self.admission = Admission(
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
@@ -150,6 +175,8 @@ class Orchestrator:
         )
         self.link.limit_senders(self._sender_budget)
         self.distribution = Distribution(self.link, self.topics, self.strategy.contract)
+        self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
+        self.link.answer_repeats(self.delivery.repeated)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -161,15 +188,18 @@ class Orchestrator:
             "partition": self.config.data.partition,
             "job": run.job,
             "rounds": run.rounds,
-            "target": run.target_accuracy,
+            "target": self.target.value,
         }
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        """Online, retained: on every (re)connect, so the last will's retained 'offline' never outlives a reconnect."""
-        self.link.publish(
-            self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
+        """Online, retained, with the run id and the model: on every (re)connect, so the last will's retained 'offline'
+        never outlives a reconnect and devices learn the current run (and send again what this server may have lost)
+        and the model to say at registration they hold."""
+        online = Presence(
+            "server", True, "server", model=self.model_spec, fingerprint=self.fingerprint, run_id=self.run_id
         )
+        self.link.publish(self.topics.server, encode(online), retain=True)
 
     def _sender_budget(self, topic: str) -> int:
         """Bytes of chunked messages ``topic``'s sender may have in flight: one update of this round, if it owes one."""
@@ -182,6 +212,9 @@ class Orchestrator:
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
         self.live.heard(sender)
+        if sender is not None and self.delivery.repeat(sender, msg.msg_id):
+            return  # answered again, never processed twice
+        error: ProtocolError | None = None
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -195,11 +228,19 @@ class Orchestrator:
                 self._failed(sender, msg)
             elif isinstance(msg, ModelRequest):
                 self.distribution.answer(sender, msg, self.current.assigned_steps if self.current else ())
+            elif isinstance(msg, Evaluation):
+                record = self.clients.get(sender)
+                self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
+            elif isinstance(msg, Resync):
+                self._resync(sender, msg)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
             self.link.reject(topic, exc)
             self.live.rejected(sender, exc.reason)
+            error = exc
+        if sender is not None:
+            self.delivery.answer(sender, msg, self.run_id, self.current, error)
 
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
@@ -209,8 +250,9 @@ class Orchestrator:
                 f"{sender} registers with {hello.num_samples} samples, more than clients.max_samples "
                 f"({self.config.clients.max_samples}); not registered"
             )
+        self._check_model(sender, hello)
         known = self.clients.get(sender)
-        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
+        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
         if known is None or not known.online:
@@ -220,6 +262,24 @@ class Orchestrator:
                 hello.num_samples,
                 {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count")},
             )
+
+    def _check_model(self, sender: str, hello: Hello) -> None:
+        """Refuse a device whose model is not the server's, and tell it which parameter differs."""
+        stated = hello.model
+        if not stated:  # a device that does not state its model: its updates are still checked for their size
+            log.warning("client %s registers without stating its model; only its update sizes are checked", sender)
+            return
+        if stated.get("digest") == self.fingerprint:
+            return
+        if "error" in stated:
+            detail = f"the device cannot build the model {self.model_spec}: {str(stated['error'])[:1000]}"
+        else:
+            detail = f"its model differs from the server's: {layout_difference(self.layout, stated.get('layout'))}"
+        refusal = Refusal(sender, "model", detail[:2000])
+        self.link.publish(self.topics.down(sender), encode(refusal))
+        self.clients.pop(sender, None)
+        self.client_samples.pop(sender, None)
+        raise ModelMismatch(f"{sender} refused at registration: {detail}")
 
     def _presence(self, sender: str, presence: Presence) -> None:
         if presence.client_id != sender:
@@ -256,6 +316,9 @@ class Orchestrator:
         if failure.client_id != sender:
             raise InvalidField(f"failure on the topic of {sender!r} claims client id {failure.client_id!r}")
         state = self.current
+        if self.federated.failed(sender, failure.round, failure.reason):
+            log.warning("round %d: %s cannot evaluate (%s: %s)", failure.round, sender, failure.reason, failure.detail)
+            return
         if state is None or failure.round != state.round or sender not in state.selected:
             log.warning("%s could not serve round %d (%s: %s)", sender, failure.round, failure.reason, failure.detail)
             return
@@ -265,6 +328,12 @@ class Orchestrator:
                 "round %d: %s cannot serve its assignment (%s: %s); not waiting for it",
                 state.round, sender, failure.reason, failure.detail,
             )  # fmt: skip
+
+    def _resync(self, sender: str, resync: Resync) -> None:
+        if resync.client_id != sender:
+            raise InvalidField(f"resync on the topic of {sender!r} claims client id {resync.client_id!r}")
+        if self.delivery.resend(sender, resync, self.run_id, self.current):
+            self.distribution.lost(sender)  # it may have lost the round's model with its assignment
 
     def _pump(self, timeout: float) -> None:
         received = self.link.receive(timeout)
@@ -320,11 +389,14 @@ class Orchestrator:
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
+                task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
         sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
-        return {cid: {**assignment_summary(a), "bytes_down": sent[cid]} for cid, a in assignments.items()}
+        for cid, (slim, _) in sent.items():
+            self.delivery.assigned(round_, cid, slim)  # as sent: naming the model, which a device may then ask for
+        return {cid: {**assignment_summary(a), "bytes_down": sent[cid][1]} for cid, a in assignments.items()}
 
     def _collect(self, state: RoundState) -> None:
         deadline = time.monotonic() + state.deadline_s
@@ -347,27 +419,35 @@ class Orchestrator:
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
-            ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
+            ServerContext(
+                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+            )
         )
         weights, metrics = self._resume(weights)
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
-        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
-        evaluations = EvaluationWorker(self.evaluator)
+        exporter = BackgroundExporter(
+            self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model, task=self.task.name
+        )
+        # the server's test set, evaluated beside the next round (none: the devices evaluate)
+        evaluations = EvaluationWorker(self.evaluator) if self.evaluator and self.eval_mode != "clients" else None
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
             weights = self._train(weights, metrics, exporter, evaluations)
         finally:
-            evaluations.close()
+            if evaluations is not None:
+                evaluations.close()
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
+        export_onnx(
+            self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
+        )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         summary = summarize(
             metrics.rows,
-            self.config.run.target_accuracy,
+            self.target,
             algorithm=self.strategy.name,
             run_id=self.run_id,
             num_params=int(self.num_params),
@@ -379,11 +459,11 @@ class Orchestrator:
             per_client=client_summary(metrics.rows),
         )
         last = metrics.rows[-1] if metrics.rows else {}
-        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith("accuracy_")})
+        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
         write_summary(self.out_dir / "summary.json", summary)
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
-            plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
+            plot_report(metrics.rows, self.target, self.out_dir / "report.png", title)
         return summary
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, MetricsLog]:
@@ -427,11 +507,17 @@ class Orchestrator:
         return weights, reason
 
     def _train(
-        self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter, evaluations: EvaluationWorker
+        self,
+        weights: np.ndarray,
+        metrics: MetricsLog,
+        exporter: BackgroundExporter,
+        evaluations: EvaluationWorker | None,
     ) -> np.ndarray:
         start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
         version = self.version
-        self.best_accuracy = max((r["accuracy"] for r in metrics.rows), default=-1.0)
+        self.best: float | None = None
+        for r in metrics.rows:
+            self.best = self.target.of(r) if self.target.better(self.target.of(r), self.best) else self.best
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
         produced: Produced | None = None  # the previous round's model, under evaluation
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
@@ -451,7 +537,7 @@ class Orchestrator:
             if updates:
                 weights, dropped = self._aggregate(round_, weights, updates)
                 version += dropped is None
-            done = time.monotonic()  # the model is produced: time-to-accuracy is stamped here
+            done = time.monotonic()  # the model is produced: time-to-target is stamped here
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
@@ -472,12 +558,28 @@ class Orchestrator:
             }
             if dropped:
                 row["dropped"] = dropped
+            due = self.federated.due(round_)
+            # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
+            evaluation = (
+                evaluations.submit(weights, self.strategy.outputs(weights))
+                if evaluations is not None and due and self.eval_mode != "clients"
+                else None
+            )
+            if due and self.eval_mode != "server":
+                t_clients = time.monotonic()
+                client_eval = self._evaluate_on_devices(round_, version, weights, state.selected)
+                row["client_eval_wait_s"] = time.monotonic() - t_clients  # server clock: request, evaluation, reports
+                if client_eval is not None:
+                    row["client_eval"] = client_eval
             rejected_before = Counter(self.link.rejections)
             self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
-            evaluation = evaluations.submit(weights, self.strategy.outputs(weights))
             previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
             if previous is not None and self._record(previous, metrics, exporter):
                 break
+            if evaluation is None:  # nothing to wait for: recorded now
+                current, produced = produced, None
+                if self._record(current, metrics, exporter):
+                    break
         if produced is not None:
             self._record(produced, metrics, exporter)
         self.checkpoint.mark_finished()
@@ -486,22 +588,39 @@ class Orchestrator:
 
     def _record(self, p: Produced, metrics: MetricsLog, exporter: BackgroundExporter) -> bool:
         """Once a round's evaluation is done: its metrics row, its checkpoint, the export of a new best model and the
-        progress line. True when the run should stop at the target accuracy."""
-        e: Evaluation = p.evaluation.result()
-        row = {**p.row, "eval_s": e.eval_s, "accuracy": e.accuracy, "loss": e.loss}
-        for name, (acc, lss) in e.outputs.items():
-            row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
+        progress line. True when the run should stop at the target."""
+        e = p.evaluation.result() if p.evaluation is not None else None
+        row = {**p.row, "eval_s": e.eval_s if e else 0.0, **(e.tested if e else {})}
+        for name, result in (e.outputs if e else {}).items():
+            row.update({f"{metric}_{name}": value for metric, value in result.items()})
         metrics.append(row)
         self.checkpoint.save(p.weights, row["round"], p.version, p.state, self.run_id)
-        if e.accuracy > self.best_accuracy:  # model.onnx is always the best global model so far
-            self.best_accuracy = e.accuracy
+        value = self.target.of(row)
+        if self.target.better(value, self.best):  # model.onnx is always the best global model so far
+            self.best = value
             exporter.submit(p.weights, row["round"])
         self.observer.round_done(row)
-        target = self.config.run.target_accuracy
-        if self.config.run.stop_at_target and e.accuracy >= target:
-            log.info("target accuracy %.4f reached in round %d; stopping", target, row["round"])
+        if self.config.run.stop_at_target and self.target.reached(value):
+            log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, row["round"])
             return True
         return False
+
+    def _evaluate_on_devices(
+        self, round_: int, version: int, weights: np.ndarray, selected: set[str]
+    ) -> dict[str, Any] | None:
+        """Ask the devices to evaluate ``weights`` on their held-out splits; their combined report (None if none).
+        The request carries the weights: devices evaluate the model they trained from only when it is current."""
+        holdout = {c: rec.eval_samples for c, rec in self.clients.items()}
+        asked = self.federated.devices(self.available(), selected, holdout)
+        request = Evaluate(
+            round_, version, weights, self.model_spec, self.config.task, self.config.eval.deadline_s, self.run_id
+        )
+        frame = encode(request)
+        for cid in asked:
+            self.link.publish(self.topics.down(cid), frame)
+        state = EvalRound(round_, set(asked))
+        self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
+        return self.federated.result(state)
 
     @staticmethod
     def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
@@ -530,11 +649,8 @@ class Orchestrator:
         try:
             self.distribution.clear()
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
-            self.link.publish(
-                self.topics.server,
-                encode(Presence(client_id="server", online=False, role="server", reason="stopped")),
-                retain=True,
-            )
+            offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
+            self.link.publish(self.topics.server, encode(offline), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:
             self.link.stop()

@@ -12,7 +12,7 @@ import pytest
 from fakes import as_sent
 
 from edge_client.data import ArrayDataset, load_local_data
-from edge_client.protocol import Assignment, Failure
+from edge_client.protocol import Assignment, Failure, Presence
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import train_local
@@ -86,23 +86,27 @@ def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -
         bus = LocalBus()
         return EdgeClient("c0", data, None, state_dir=tmp_path, link_factory=bus.connect, train=counting)
 
+    def told(client: EdgeClient, run_id: str) -> EdgeClient:  # the server's presence: the current run
+        client.handle(Presence("server", True, role="server", run_id=run_id))
+        return client
+
     def handle(client: EdgeClient, a: Assignment) -> None:
         for msg in as_sent(a):
             client.handle(msg)
 
-    first = device()
+    first = told(device(), "run-a")
     size = first._model_for(SPEC).size
     third = assignment("run-a", 3, size)
     handle(first, third)
     assert trained == [3] and first.served == ("run-a", 3, third.msg_id)
-    again = device()  # the process restarted: the state directory says round 3 of run-a was served
+    again = told(device(), "run-a")  # the process restarted: the state directory says round 3 of run-a was served
     assert again.served == ("run-a", 3, third.msg_id)
     handle(again, third)  # replayed from the broker session: stale
     handle(again, assignment("run-a", 2, size))
     assert trained == [3]
     handle(again, assignment("run-a", 3, size))  # a new assignment for round 3: the server resumed and re-runs it
     handle(again, assignment("run-a", 4, size))
-    handle(again, assignment("run-b", 1, size))  # a new run starts again at round 1
+    handle(told(again, "run-b"), assignment("run-b", 1, size))  # a new run starts again at round 1
     assert trained == [3, 3, 4, 1] and again.served[:2] == ("run-b", 1)
 
 

@@ -74,6 +74,9 @@ def test_the_model_is_broadcast_once_per_version_and_sent_on_request_once_per_ro
     with pytest.raises(OutOfRound):  # another model than this round's
         dist.answer("b", ModelRequest(5, "b", "0" * 64), told={"a", "b"})
     assert dist.take_bytes_out() == 0
+    dist.lost("a")  # the server sent "a" its assignment again (server.delivery): it may have lost the model too
+    dist.answer("a", ModelRequest(5, "a", sha), told={"a", "b"})
+    assert dist.take_bytes_out() == model_bytes
 
 
 def test_a_federation_sends_one_model_per_round(tmp_path: Path) -> None:
