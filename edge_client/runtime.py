@@ -103,8 +103,9 @@ class EdgeClient:
         self.once = False  # run(once=True): leave after the first run that ends
         self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
         # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
-        # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
-        # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
+        # older round than the one before it, or that very assignment again, is stale (replayed from the broker
+        # session); a new assignment for either of the two newest rounds is a resumed server re-running it (its
+        # checkpoint is written once a round's evaluation, beside the next round, is done). Kept in state_dir.
         self.served: tuple[str, int, str] = self._load_served()
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
@@ -369,7 +370,7 @@ class EdgeClient:
 
     def _serve(self, assignment: Assignment) -> None:
         run, served, msg_id = self.served
-        stale = assignment.round < served or (assignment.round == served and assignment.msg_id == msg_id)
+        stale = assignment.round < served - 1 or (assignment.round == served and assignment.msg_id == msg_id)
         if assignment.run_id == run and stale:  # e.g. replayed from the session after a restart
             log.warning("round %d: skipping a stale assignment (round %d of this run already served)",
                         assignment.round, served)  # fmt: skip
