@@ -60,8 +60,8 @@ class TacoClient(ClientAlgorithm):
         coef = gamma * (1.0 - alpha)
         if ctx.param("delta_scale", "per_step") == "model_diff":
             coef *= float(ctx.param("eta_g", a.local_steps * a.lr))
-        delta = self.global_delta(ctx)
-        self.corr = None if delta is None or coef == 0.0 else delta.mul(coef)
+        delta = self.global_delta(ctx) if coef else None  # gamma 0: no correction (Table VI's ablation)
+        self.corr = None if delta is None else delta.mul(coef)
         self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(a.model_version)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:

@@ -20,7 +20,8 @@ class FedProxTaco(TailoredCoefficients, FedProx):
 
     name = "fedprox-taco"
     description = "FedProx with per-client zeta_i = zeta (1 - alpha_i), alpha_i TACO's eq. 7 coefficient"
-    defaults: ClassVar[dict[str, Any]] = {**FedProx.defaults, "alpha_init": 0.1}
+    defaults: ClassVar[dict[str, Any]] = {**FedProx.defaults, **TailoredCoefficients.tailored_defaults}
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {**FedProx.choices, **TailoredCoefficients.tailored_choices}
 
     def zeta_for(self, client_id: str) -> float:
         return float(self.params["zeta"]) * (1.0 - self.alpha_of(client_id))

@@ -22,7 +22,8 @@ class ScaffoldTaco(TailoredCoefficients, Scaffold):
 
     name = "scaffold-taco"
     description = "SCAFFOLD with per-client coefficient alpha (1 - alpha_i), alpha_i TACO's eq. 7 coefficient"
-    defaults: ClassVar[dict[str, Any]] = {**Scaffold.defaults, "alpha_init": 0.1}
+    defaults: ClassVar[dict[str, Any]] = {**Scaffold.defaults, **TailoredCoefficients.tailored_defaults}
+    choices: ClassVar[dict[str, tuple[Any, ...]]] = {**Scaffold.choices, **TailoredCoefficients.tailored_choices}
 
     def alpha_for(self, client_id: str) -> float:
         return float(self.params["alpha"]) * (1.0 - self.alpha_of(client_id))
