@@ -23,7 +23,8 @@ DATASET_HELP = (
     "idx directory (docs/datasets.md)"
 )
 PARTITION_HELP = (
-    "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+    "iid, dirichlet:PHI (dirichlet:PHI:balanced adds NIID-Bench's balancing step), taco-groups, fedveca-case:N "
+    "(N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
