@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["PARTITION_FORMS", "partition"]
+__all__ = ["PARTITION_FORMS", "partition", "taco_group"]
 
 PARTITION_FORMS = (
     "'taco-groups', 'fedveca-case:N' (N = 1, 2, 3), 'drag-q:Q' (0 <= Q <= 1), 'shards:K' (K >= 1), "
@@ -40,6 +40,11 @@ PARTITION_FORMS = (
 _DIRICHLET_DRAWS = 400_000
 _REDRAW_TRIES = 1000
 _TACO_FRACTIONS = (0.1, 0.2, 0.5)  # groups A, B, C
+
+
+def taco_group(client: int) -> int:
+    """The ``taco-groups`` group (0, 1, 2 = A, B, C) of the client at this index: round-robin (``_taco_groups``)."""
+    return client % len(_TACO_FRACTIONS)
 
 
 def _unknown(scheme: str) -> ValueError:
@@ -236,7 +241,7 @@ def _taco_groups(labels: np.ndarray, num_clients: int, rng: np.random.Generator)
     until every label is held by some client; each label's shuffled samples are split evenly among its holders.
     """
     ranks, c = _label_ranks(labels)
-    groups = np.arange(num_clients) % len(_TACO_FRACTIONS)
+    groups = [taco_group(i) for i in range(num_clients)]
     counts = [max(1, math.floor(f * c + 0.5)) for f in _TACO_FRACTIONS]
     per_client = [counts[g] for g in groups]
     if sum(per_client) < c:
