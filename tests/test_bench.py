@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from server.config import ConfigError
+from server.experiments.runner import round_alphas
 from server.experiments.suites import load_suite, parse_suite, shipped
 from server.experiments.tables import (
     accuracy_table,
@@ -122,6 +123,13 @@ def test_alpha_table_is_table_ii_per_group_from_round_2(tmp_path: Path) -> None:
     assert lines[3] == ["taco-groups", "taco", "3", "0.1000", "0.3000", "0.5000", "", ""]
     plot_alphas(record, tmp_path / "alpha.png")
     assert (tmp_path / "alpha.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_records_keep_per_client_alphas_only() -> None:
+    row = {"clients": {"c0": {}, "c1": {}}, "algorithm": {"alpha": {"c0": 0.3, "c1": 0.5, "gone": 0.9}}}
+    assert round_alphas(row) == {"alpha": {"c0": 0.3, "c1": 0.5}}  # the reporters' alphas, not an expelled client's
+    assert round_alphas({"clients": {"c0": {}}, "algorithm": {"alpha": 0.2}}) == {}  # STEM's scalar alpha_t
+    assert round_alphas({"clients": {"c0": {}}, "algorithm": {}}) == {}
 
 
 def test_an_ablation_has_its_variants_as_rows() -> None:
