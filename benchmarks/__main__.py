@@ -23,12 +23,13 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_OUT, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "round_overhead", "load"]
+BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "footprint", "round_overhead", "load"]
 TITLES = {
     "wire": "wire",
     "aggregation": "server aggregation",
     "client_overhead": "client step overhead",
     "memory": "client memory",
+    "footprint": "device footprint",
     "round_overhead": "round overhead",
 }
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"

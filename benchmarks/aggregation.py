@@ -2,7 +2,8 @@
 
 For N = 10, 100 and 1000 updates of d = 1M float32 parameters (``--quick``: N = 10 of d = 10k) every registered
 algorithm (``server.strategies.STRATEGIES``) is built with ``make_strategy``, set up with a ``ServerContext`` and
-fed ``Update`` objects carrying the arrays and scalars it requires (``required_arrays`` / ``required_extras``). Its
+fed ``Update`` objects carrying the arrays and values its contract has clients return (``returns`` /
+``returns_values``), each admitted as the orchestrator admits it (``server.admission``, not timed). Its
 ``aggregate`` call is timed against the numpy floor, ``np.sum(stacked, axis=0)`` over the (N, d) array (only the
 sum is timed). Calls are interleaved (floor, alg 1, alg 2, ..., floor, ...), repeated, median; each strategy first
 aggregates one warm-up round (so TACO, FedUmf and FedVeca are timed in their steady state, with state from a
@@ -41,6 +42,8 @@ import numpy as np
 from benchmarks.common import machine, machine_line, write_results
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Update
+from server.admission import Admission, RoundState
+from server.config import TrainSection
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
 
 NAME = "aggregation"
@@ -81,12 +84,12 @@ def make_inputs(n: int, d: int, rng: np.random.Generator) -> np.ndarray:
 
 def make_updates(name: str, stacked: np.ndarray, round_: int) -> list[Update]:
     """N updates whose delta and required arrays are rows of ``stacked`` (views), extras set to plausible values."""
-    cls = STRATEGIES[name]
+    contract = STRATEGIES[name].contract
     n = stacked.shape[0]
     out = []
     for i in range(n):
-        arrays = {key: stacked[(i + 1 + j) % n] for j, key in enumerate(cls.required_arrays)}
-        extras = {key: 1.0 + 0.01 * i for key in cls.required_extras}
+        arrays = {a.name: stacked[(i + 1 + j) % n] for j, a in enumerate(contract.returns)}
+        extras = {v.name: 1.0 + 0.01 * i for v in contract.returns_values}
         out.append(
             Update(
                 round=round_,
@@ -124,8 +127,10 @@ class Case:
         self.strategy.setup(ServerContext(model_spec=spec, num_params=d, clients=clients, root=root, seed=seed))
         self.round = 1
         self.updates = make_updates(name, stacked, self.round)
+        state = RoundState(1, 0, set(clients), assigned_steps=dict.fromkeys(clients, SETTINGS.local_steps))
+        admission = Admission(self.strategy.contract, self.strategy.params, d, TrainSection.max_update_norm)
         for u in self.updates:  # what the orchestrator checks on arrival (not timed)
-            self.strategy.check_update(u)
+            admission.check(u.client_id, u, state, clients[u.client_id], u.run_id)
         self.weights = weights
         self.times: list[float] = []
         self.reference_s: list[float] = []
@@ -134,7 +139,7 @@ class Case:
         ids = sorted(self.updates[i].client_id for i in range(len(self.updates)))
         self.strategy.select(self.round, ids)  # keeps the strategy's per-round bookkeeping realistic
         for cid in ids:
-            self.strategy.instructions(self.round, cid)
+            self.strategy.assign(self.round, cid)
         for u in self.updates:
             u.round, u.model_version = self.round, self.round - 1
         t0 = time.perf_counter()

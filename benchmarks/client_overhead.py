@@ -2,10 +2,11 @@
 
 Runs the real training path (``edge_client.trainer.train_local`` on a ``FlatModel`` with each algorithm's client
 half, through ``edge_client.speed``'s per-algorithm runner) for the TACO CNN on 28x28 inputs and the Adult MLP,
-batch 64, 100 steps, one torch thread. Every algorithm gets the coefficients its real server half sends
-(``server.strategies.make_strategy(...).instructions``: FedUmf's momentum 0.5 and weight decay 5e-4, SCAFFOLD's
-``c``, ...). Algorithms are interleaved within each repeat (order rotated), an untimed warm-up round comes first,
-and ratios are per repeat against the FedAvg round of the same repeat (median reported, min beside it).
+batch 64, 100 steps, one torch thread. Every algorithm trains on the plan of the assignment its real server half sends
+(``server.strategies.make_strategy(...).assign``: SCAFFOLD's ``c``, TACO's alpha_i, ...), FedUmf with its paper's
+local optimiser (momentum 0.5, weight decay 5e-4: ``train.momentum``/``train.weight_decay``). Algorithms are
+interleaved within each repeat (order rotated), an untimed warm-up round comes first, and ratios are per repeat
+against the FedAvg round of the same repeat (median reported, min beside it).
 
 FedVeca's per-round extra (its full local gradient before the loop plus its O(d) estimates per step) is measured
 separately: rounds of FedAvg and FedVeca with the same tau on the same 600-sample local data set, interleaved with
@@ -63,23 +64,48 @@ VECTOR_OPS_PER_STEP: dict[str, int] = {
 }
 
 
-def real_instructions(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch: int, lr: float, n: int):
-    """The params/arrays the algorithm's server half sends in round 1 (``None`` if it cannot be built here)."""
+#: the local optimiser (momentum, weight decay) of an algorithm whose paper does not train with plain SGD
+OPTIMISER: dict[str, tuple[float, float]] = {"fedumf": (0.5, 5e-4)}
+
+
+def real_plan(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch: int, lr: float, n: int) -> Any:
+    """The plan of the algorithm's round-1 assignment from its server half, and where it came from; the contract's
+    defaults (``edge_client.speed.make_plan``) when the server half cannot be built here (DRAG-BR's root data)."""
+    import dataclasses
+
+    from edge_client.algorithms import client_algorithm
+    from edge_client.speed import make_plan
+    from edge_client.trainer import plan_for
     from server.strategies import ServerContext, TrainSettings, make_strategy
 
+    momentum, weight_decay = OPTIMISER.get(algorithm, (0.0, 0.0))
     try:
-        strategy = make_strategy(algorithm, TrainSettings(local_steps=steps, lr=lr, batch_size=batch), rounds=100)
+        settings = TrainSettings(steps, lr, batch, momentum=momentum, weight_decay=weight_decay)
+        strategy = make_strategy(algorithm, settings, rounds=100)
         strategy.setup(ServerContext(model_spec=dict(spec), num_params=size, clients={"bench": n}))
-        instr = strategy.instructions(1, "bench")
-    except Exception as exc:  # e.g. a strategy that needs root data: fall back to generic params
-        return None, f"generic ({type(exc).__name__}: {exc})"
-    params = dict(instr.params)
-    if instr.alpha is not None:  # the Assignment's own alpha field; TACO's client reads alpha_init when it is absent
-        params.setdefault("alpha_init", float(instr.alpha))
-    if algorithm == "fedveca" and not params.get("P"):
-        params["P"] = 1.0  # round 1 sends P = 0; later rounds send ||grad F||^2 > 0 (the delta path runs either way)
-    arrays = {k: np.asarray(v, dtype=np.float32) for k, v in instr.arrays.items()}
-    return (params, arrays), "server strategy"
+        assignment = dataclasses.replace(strategy.assign(1, "bench"), round=1)
+    except Exception as exc:
+        return make_plan(algorithm, size, steps=steps, batch_size=batch), f"contract ({type(exc).__name__}: {exc})"
+    if algorithm == "fedveca" and not assignment.settings.get("P"):
+        assignment.settings["P"] = 1.0  # round 1 sends P = 0; later rounds ||grad F||^2 > 0 (delta path either way)
+    return plan_for(assignment, client_algorithm(algorithm), size), "server strategy"
+
+
+def use_plan(runner: Any, plan: Any) -> None:
+    """Make ``runner`` (``edge_client.speed``'s) train every round on ``plan``, its steps and round advanced."""
+    import dataclasses
+    import types
+
+    from edge_client.trainer import train_local
+
+    def run(self: Any, steps: int) -> Any:
+        current = dataclasses.replace(plan, steps=steps, round=self.version + 1, model_version=self.version)
+        result = train_local(self.flat, self.weights, self.dataset, self.sampler, current, self.algorithm)
+        self.version += 1
+        return result
+
+    runner.plan = plan
+    runner.run = types.MethodType(run, runner)
 
 
 def make_runner(
@@ -101,10 +127,9 @@ def make_runner(
         x, y = data
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(len(y), batch, seed, f"bench-{algorithm}")
-    real, source = real_instructions(algorithm, spec, runner.flat.size, steps, batch, LR, len(runner.dataset))
-    if real is not None:
-        runner.params, runner.arrays = real
-    runner.params_source = source
+    plan, source = real_plan(algorithm, spec, runner.flat.size, steps, batch, LR, len(runner.dataset))
+    use_plan(runner, plan)
+    runner.plan_source = source
     return runner
 
 
@@ -174,9 +199,11 @@ def measure_table(
                 "ratio_paired_max": max(paired),
                 "target_ratio": target,
                 "status": None if target is None else ("PASS" if ratio <= target else "MISS"),
-                "params": {k: v for k, v in runners[alg].params.items() if not isinstance(v, np.ndarray)},
-                "arrays": sorted(runners[alg].arrays),
-                "params_source": runners[alg].params_source,
+                "settings": dict(runners[alg].plan.settings),
+                "alpha": runners[alg].plan.alpha,
+                "optimiser": {"momentum": runners[alg].plan.momentum, "weight_decay": runners[alg].plan.weight_decay},
+                "arrays": sorted(runners[alg].plan.arrays),
+                "plan_source": runners[alg].plan_source,
                 "vector_ops_per_step": VECTOR_OPS_PER_STEP.get(alg),
                 "expected_vector_overhead": (
                     None

@@ -118,6 +118,7 @@ def _serve_link(
                     cpu_s=0.0,
                     train_loss=0.0,
                     delta=delta_for(base, index, clients, msg.round),
+                    run_id=msg.run_id,
                 )
                 link.publish(topics.up(cid), encode(update))
                 if not link.wait_published(timeout=msg.deadline_s):

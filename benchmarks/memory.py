@@ -5,14 +5,13 @@ edge_client training modules), builds the same synthetic MNIST-sized local data 
 of ``edge-server simulate``), then trains two rounds of ``steps`` steps at batch 64 on the TACO CNN, one thread:
 
 * ``client``: the client runtime's training path, ``FlatModel`` + ``edge_client.trainer.train_local`` with the
-  algorithm's client half and the coefficients its server half sends (via ``edge_client.speed``'s runner);
+  algorithm's client half and the plan of the assignment its server half sends (via ``edge_client.speed``'s runner);
 * ``bare``: ``torch.optim.SGD`` on the same ``nn.Module``, same batches.
 
-Each worker reports ``ru_maxrss`` (peak RSS) and its RSS just before training. Configurations are interleaved over
-repeats (median). FedVeca is measured at tau 2 and tau 50 against FedAvg at the same tau: the difference must be a
-few d-vectors and the same for both. If mosquitto is installed, the real ``edge-client run`` process is measured
-too: a broker (``server.broker.Broker``), a minimal fake server that sends two FedAvg assignments over MQTT, and the
-client's peak RSS from ``os.wait4``.
+Each worker reports its own peak RSS (``VmHWM``: ``ru_maxrss`` would carry over the parent's peak through fork and
+exec) and its RSS just before training. Configurations are interleaved over repeats (median). FedVeca is measured at
+tau 2 and tau 50 against FedAvg at the same tau: the difference must be a few d-vectors and the same for both. The
+real ``edge-client run`` process and the inference commands are measured by ``benchmarks.footprint``.
 
     /work/venv/bin/python -m benchmarks.memory [--quick] [--out DIR]
 """
@@ -25,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,8 +52,6 @@ def _status_kb(key: str) -> int:
 
 def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs in the subprocess: same imports and data for both modes, then two rounds of training."""
-    import resource
-
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -88,14 +84,15 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 F.cross_entropy(model(xb), yb).backward()
                 opt.step()
     else:
+        from benchmarks.client_overhead import use_plan
         from edge_client.data import ArrayDataset
 
         edge_client.trainer.prepare_process(1)
         runner = edge_client.speed._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(n, BATCH, 0, f"bench-{cfg['algorithm']}")
-        runner.params = dict(cfg["params"])
-        runner.arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
+        arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
+        use_plan(runner, edge_client.trainer.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
         if cfg.get("fg_batch"):  # what-if for a suggested fix: the full gradient in smaller batches
             import functools
 
@@ -109,7 +106,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     for _ in range(rounds):
         train()
     return {
-        "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_kb": _status_kb("VmHWM"),
         "rss_before_train_kb": rss_before,
         "rss_end_kb": _status_kb("VmRSS"),
     }
@@ -133,14 +130,11 @@ def _run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[str, Any]:
-    from benchmarks.client_overhead import real_instructions
+    from benchmarks.client_overhead import real_plan
     from edge_client.models import build_model, num_params
 
     size = num_params(build_model(SPEC))
-    real, _ = real_instructions(algorithm, SPEC, size, steps, BATCH, LR, samples)
-    from edge_client.speed import DEFAULT_PARAMS
-
-    params, arrays = real if real is not None else (dict(DEFAULT_PARAMS), {})
+    plan, _ = real_plan(algorithm, SPEC, size, steps, BATCH, LR, samples)
     return {
         "mode": "client",
         "algorithm": algorithm,
@@ -148,94 +142,16 @@ def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[s
         "steps": steps,
         "rounds": rounds,
         "samples": samples,
-        "params": {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool)) or v is None},
-        "arrays": sorted(arrays),
-    }
+        "plan": {
+            "settings": plan.settings, "alpha": plan.alpha, "momentum": plan.momentum,
+            "weight_decay": plan.weight_decay,
+        },
+        "arrays": sorted(plan.arrays),
+    }  # fmt: skip
 
 
 def _mb(kb: float) -> float:
     return kb / 1024.0
-
-
-def measure_real_client(samples: int, steps: int, timeout: float = 180.0) -> dict[str, Any]:
-    """Peak RSS of a real ``edge-client run`` process (2 FedAvg rounds against a minimal fake server over MQTT)."""
-    import numpy as np
-
-    from edge_client.models import build_model, get_flat
-    from edge_client.protocol import Assignment, Hello, Update, encode
-    from edge_client.topics import Topics
-    from edge_client.transport import LinkConfig, MqttLink
-    from server.broker import Broker, BrokerSettings
-
-    job, cid = "membench", "bench-01"
-    topics = Topics(job)
-    with tempfile.TemporaryDirectory(prefix="edgefl-membench-") as tmp:
-        tmpdir = Path(tmp)
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((samples, 1, 28, 28), dtype=np.float32)
-        y = rng.integers(0, 10, samples).astype(np.int64)
-        np.savez(tmpdir / "shard.npz", x=x, y=y)
-        del x, y
-        broker = Broker(tmpdir / "broker", BrokerSettings(devices=[cid]))
-        (tmpdir / "broker").mkdir(mode=0o700, exist_ok=True)
-        broker.start()
-        link = None
-        proc = None
-        try:
-            server = broker.server
-            link = MqttLink(
-                LinkConfig(url=broker.url, username=server.username, password=server.password),
-                "membench-server",
-                [topics.all_up],
-            ).start()
-            pw = tmpdir / "pw"
-            pw.write_text(broker.devices[cid].password)
-            pw.chmod(0o600)
-            cmd = [
-                sys.executable, "-m", "edge_client.cli", "--log-level", "WARNING", "run", "--broker", broker.url,
-                "--client-id", cid, "--password-file", str(pw), "--data", str(tmpdir / "shard.npz"),
-                "--job", job, "--threads", "1", "--max-rounds", "2",
-            ]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            weights = get_flat(build_model(SPEC)).astype(np.float32)
-            deadline = time.monotonic() + timeout
-            sent, updates, compute = 0, 0, []
-            while updates < 2 and time.monotonic() < deadline and proc.poll() is None:
-                got = link.receive(timeout=1.0)
-                if got is None:
-                    continue
-                _, msg = got
-                if (isinstance(msg, Hello) and sent == 0) or (isinstance(msg, Update) and sent == updates + 1):
-                    if isinstance(msg, Update):
-                        updates += 1
-                        compute.append(msg.compute_s)
-                        weights = (weights - msg.delta).astype(np.float32)
-                    if sent < 2:
-                        sent += 1
-                        assignment = Assignment(
-                            round=sent, model_version=sent - 1, local_steps=steps, lr=LR, batch_size=BATCH,
-                            deadline_s=600.0, algorithm="fedavg", model=SPEC, weights=weights,
-                        )  # fmt: skip
-                        link.publish(topics.down(cid), encode(assignment))
-            _, status, usage = os.wait4(proc.pid, 0)
-            stderr = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            if updates < 2:
-                raise RuntimeError(f"edge-client sent {updates} updates (exit {proc.returncode}): {stderr[-2000:]}")
-            return {
-                "maxrss_kb": usage.ru_maxrss,
-                "updates": updates,
-                "exit_code": proc.returncode,
-                "compute_s": compute,
-            }
-        finally:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if link is not None:
-                link.stop()
-            broker.stop()
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -273,14 +189,14 @@ def measure(quick: bool) -> dict[str, Any]:
     def med(key: str, field: str) -> float:
         return statistics.median(run[field] for run in runs[key])
 
-    bare_peak, bare_before = med("bare", "maxrss_kb"), med("bare", "rss_before_train_kb")
+    bare_peak, bare_before = med("bare", "peak_kb"), med("bare", "rss_before_train_kb")
     rows: dict[str, Any] = {}
     for key in keys:
-        peak, before = med(key, "maxrss_kb"), med(key, "rss_before_train_kb")
+        peak, before = med(key, "peak_kb"), med(key, "rss_before_train_kb")
         row = {
             "peak_mb": _mb(peak),
-            "peak_mb_min": _mb(min(run["maxrss_kb"] for run in runs[key])),
-            "peak_mb_max": _mb(max(run["maxrss_kb"] for run in runs[key])),
+            "peak_mb_min": _mb(min(run["peak_kb"] for run in runs[key])),
+            "peak_mb_max": _mb(max(run["peak_kb"] for run in runs[key])),
             "rss_before_train_mb": _mb(before),
             "training_increment_mb": _mb(peak - before),
             "ratio_to_bare": peak / bare_peak,
@@ -306,19 +222,10 @@ def measure(quick: bool) -> dict[str, Any]:
         }
     diffs = [v["diff_mb"] for v in veca.values()]
     independent = max(diffs) - min(diffs) <= FEDVECA_MAX_DVECTORS * dvec_kb / 1024.0
-    real_client: dict[str, Any] | None = None
-    if quick:
-        return _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent, None)
-    try:
-        real = measure_real_client(samples, steps)
-        real_client = {**real, "peak_mb": _mb(real["maxrss_kb"]), "ratio_to_bare": real["maxrss_kb"] / bare_peak}
-        real_client["status"] = "PASS" if real_client["ratio_to_bare"] <= TARGET_RATIO else "MISS"
-    except Exception as exc:
-        real_client = {"error": f"{type(exc).__name__}: {exc}"}
-    return _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent, real_client)
+    return _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent)
 
 
-def _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent, real_client) -> dict[str, Any]:
+def _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent) -> dict[str, Any]:
     return {
         "d": d,
         "d_vector_mb": dvec_kb / 1024.0,
@@ -326,7 +233,6 @@ def _summary(d, dvec_kb, steps, repeats, samples, taus, rows, veca, independent,
         "rows": rows,
         "fedveca": veca,
         "fedveca_tau_independent": independent,
-        "real_client": real_client,
     }
 
 
@@ -342,12 +248,13 @@ def render(data: dict[str, Any]) -> str:
         "",
         machine_line(data["machine"]),
         "",
-        f"Peak RSS (`ru_maxrss`) of a fresh process that imports torch, numpy and the edge_client training modules, "
-        f"builds {cfg['samples']:,} MNIST-sized samples and trains the TACO CNN (d = {m['d']:,}; one d-vector = "
-        f"{m['d_vector_mb'] * 1024:.0f} KiB) for {cfg['rounds']} rounds x {cfg['steps']} steps, batch {cfg['batch']}, "
-        f"1 thread; median of {cfg['repeats']} interleaved repeats (min..max beside). Baseline: the same process "
-        f"with a bare `torch.optim.SGD` loop: {bare['peak_mb']:.1f} MiB peak, {bare['rss_before_train_mb']:.1f} MiB "
-        f"before training (training adds {bare['training_increment_mb']:.1f} MiB).",
+        "Peak RSS (`VmHWM`, the process's own high-water mark) of a fresh process that imports torch, numpy and the "
+        f"edge_client training modules, builds {cfg['samples']:,} MNIST-sized samples and trains the TACO CNN "
+        f"(d = {m['d']:,}; one d-vector = {m['d_vector_mb'] * 1024:.0f} KiB) for {cfg['rounds']} rounds x "
+        f"{cfg['steps']} steps, batch {cfg['batch']}, 1 thread; median of {cfg['repeats']} interleaved repeats "
+        f"(min..max beside). Baseline: the same process with a bare `torch.optim.SGD` loop: {bare['peak_mb']:.1f} MiB "
+        f"peak, {bare['rss_before_train_mb']:.1f} MiB before training (training adds "
+        f"{bare['training_increment_mb']:.1f} MiB). The real `edge-client run` process: see the device footprint.",
         "",
         "| process | peak RSS MiB (min..max) | RSS before training MiB | training increment MiB | peak / bare | "
         "target | status |",
@@ -363,16 +270,6 @@ def render(data: dict[str, Any]) -> str:
             f"{row['rss_before_train_mb']:.1f} | {row['training_increment_mb']:.1f} | {row['ratio_to_bare']:.3f} | "
             f"{target} | {status} |"
         )
-    real = m.get("real_client") or {}
-    if "peak_mb" in real:
-        lines.append(
-            "| `edge-client run` (real process, broker + 2 FedAvg rounds, paho/msgpack loaded) | "
-            f"{real['peak_mb']:.1f} | - | - | {real['ratio_to_bare']:.3f} | <= {TARGET_RATIO:.2f}x | {real['status']} |"
-        )
-    elif real:
-        lines.append(f"| `edge-client run` | not measured: {real.get('error')} | | | | | |")
-    else:
-        lines.append("| `edge-client run` | not measured in quick mode | | | | | |")
     lines += [
         "",
         f"### FedVeca: peak RSS over FedAvg at the same tau (target: at most {FEDVECA_MAX_DVECTORS} d-vectors, "

@@ -57,9 +57,11 @@ class Timeline:
 def instrumented(timeline: Timeline) -> Iterator[None]:
     """Wrap the orchestrator's phases with timers for the duration of the block (the code itself is unchanged)."""
     import server.onnx_export as onnx_export
+    from server.checkpoint import Checkpoint
     from server.orchestrator import Orchestrator
 
-    orig = {name: getattr(Orchestrator, name) for name in ("_assign", "_collect", "_accept", "_checkpoint", "_train")}
+    orig = {name: getattr(Orchestrator, name) for name in ("_assign", "_collect", "_accept", "_train")}
+    orig_save = Checkpoint.save
     orig_export = onnx_export.export_onnx
 
     def _assign(self: Orchestrator, round_: int, *args: Any) -> Any:
@@ -93,10 +95,10 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         timeline.round(update.round)["arrived"][sender] = now
         return out
 
-    def _checkpoint(self: Orchestrator, weights: Any, round_: int, *args: Any, **kwargs: Any) -> Any:
+    def save(self: Checkpoint, weights: Any, round_: int, *args: Any, **kwargs: Any) -> Any:
         t0 = time.time()
         try:
-            return orig["_checkpoint"](self, weights, round_, *args, **kwargs)
+            return orig_save(self, weights, round_, *args, **kwargs)
         finally:
             timeline.round(round_)["checkpoint_s"] = time.time() - t0
 
@@ -112,16 +114,17 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         finally:
             timeline.exports.append((t0, time.time()))
 
-    patched = {"_assign": _assign, "_collect": _collect, "_accept": _accept, "_checkpoint": _checkpoint}
-    patched["_train"] = _train
+    patched = {"_assign": _assign, "_collect": _collect, "_accept": _accept, "_train": _train}
     for name, fn in patched.items():
         setattr(Orchestrator, name, fn)
+    Checkpoint.save = save  # type: ignore[method-assign]
     onnx_export.export_onnx = export_onnx
     try:
         yield
     finally:
         for name, fn in orig.items():
             setattr(Orchestrator, name, fn)
+        Checkpoint.save = orig_save  # type: ignore[method-assign]
         onnx_export.export_onnx = orig_export
 
 

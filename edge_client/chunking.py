@@ -1,8 +1,11 @@
 """Chunked transfer: big frames travel as ~1 MiB chunk frames and are reassembled with integrity checks.
 
 Chunks are faster through mosquitto than one big message, stay clear of paho's keepalive timeout on slow links and
-make a retry resend one chunk, not the model. The receiver is the defence line: it bounds memory per sender and
-overall, expires stale partial messages and drops duplicates that a broker redelivers after a crash.
+make a retry resend one chunk, not the model. The receiver is the defence line: memory is taken as chunks arrive,
+never for a size a frame merely announces; each sender may hold at most its budget (the server gives a device the
+size of one legitimate update of the round, so a device flooding announcements or pieces only ever evicts its own
+partial messages); the total is bounded too; stale partial messages expire; duplicates that a broker redelivers
+after a crash are dropped.
 """
 
 from __future__ import annotations
@@ -55,9 +58,8 @@ def split(payload: bytes | bytearray, chunk_size: int = DEFAULT_CHUNK_SIZE) -> l
 @dataclass
 class _Partial:
     first: Chunk  # header fields every later chunk must repeat
-    buf: bytearray
-    have: bytearray  # one flag per chunk index
-    received: int
+    pieces: dict[int, memoryview | bytes]  # index -> the piece as received (a view of its frame: no copy)
+    held: int  # bytes of the pieces
     started: float
 
 
@@ -73,7 +75,9 @@ class Reassembler:
         ttl_s: float = 600.0,
         remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        budget: Callable[[str], int | None] | None = None,
     ) -> None:
+        """``budget(sender)``: the bytes of partial messages ``sender`` may hold (None: no limit of its own)."""
         self.max_message_bytes = max_message_bytes
         self.max_pending_per_sender = max_pending_per_sender
         self.max_pending_bytes = max_pending_bytes
@@ -82,6 +86,7 @@ class Reassembler:
         self._clock = clock
         self._pending: OrderedDict[tuple[str, str], _Partial] = OrderedDict()  # oldest first
         self._pending_bytes = 0
+        self.budget = budget
         self._delivered: OrderedDict[tuple[str, str], None] = OrderedDict()  # LRU of delivered (sender, msg id)
         self._lock = threading.Lock()
 
@@ -125,50 +130,68 @@ class Reassembler:
                 raise ChunkError(
                     f"chunk {c.index} of {c.of}: {name} expected {getattr(p.first, name)!r}, got {getattr(c, name)!r}"
                 )
-        lo = c.index * c.chunk_size
-        hi = lo + len(c.data)
-        if p.have[c.index]:
-            if p.buf[lo:hi] == c.data:
+        if c.index in p.pieces:
+            if p.pieces[c.index] == c.data:
                 return None  # QoS 1 redelivery of the same piece
             raise ChunkError(f"chunk {c.index} of {c.of}: repeated with different bytes")
-        p.buf[lo:hi] = c.data
-        p.have[c.index] = 1
-        p.received += 1
-        if p.received < c.count:
-            if evicted:  # the new message is kept; tell the caller what was lost to make room
+        self._make_room(sender, key, len(c.data), evicted)
+        p.pieces[c.index] = c.data
+        p.held += len(c.data)
+        self._pending_bytes += len(c.data)
+        if len(p.pieces) < c.count:
+            if evicted:  # the new piece is kept; tell the caller what was lost to make room
                 raise ChunkError(f"sender {sender!r} over its pending limits: dropped partial messages {evicted}")
             return None
         self._drop(key)
-        if hashlib.sha256(p.buf).hexdigest() != c.sha256:
+        whole = b"".join(p.pieces[i] for i in range(c.count))  # the one copy of the message
+        if hashlib.sha256(whole).hexdigest() != c.sha256:
             raise ChunkError(f"message {c.of} from {sender!r}: sha256 of the {c.size} reassembled bytes does not match")
-        msg = decode(p.buf, max_bytes=self.max_message_bytes)
+        msg = decode(whole, max_bytes=self.max_message_bytes)
         if isinstance(msg, Chunk) or msg.msg_id != c.of:
             raise ChunkError(f"message {c.of} from {sender!r}: reassembled a {msg.TYPE} with id {msg.msg_id}")
         return self._deliver(sender, msg)
 
+    def _limit(self, sender: str) -> int:
+        budget = self.budget(sender) if self.budget is not None else None
+        return min(self.max_message_bytes, self.max_pending_bytes, budget if budget is not None else 1 << 62)
+
     def _start(self, sender: str, key: tuple[str, str], c: Chunk, evicted: list[str]) -> _Partial:
-        """Register a new partial message, first evicting this sender's oldest ones while over a limit."""
-        if c.size > min(self.max_message_bytes, self.max_pending_bytes):
-            raise ChunkError(f"chunk of {c.of}: size expected <= {self.max_message_bytes} bytes, got {c.size}")
+        """Register a new partial message; nothing is allocated for the size it announces."""
+        limit = self._limit(sender)
+        if c.size > limit:
+            raise ChunkError(f"chunk of {c.of} from {sender!r}: announces {c.size} bytes, this sender may send {limit}")
         mine = [k for k in self._pending if k[0] == sender]
-        while mine and (
-            len(mine) >= self.max_pending_per_sender or self._pending_bytes + c.size > self.max_pending_bytes
-        ):
+        if len(mine) >= self.max_pending_per_sender:
+            self._drop(mine[0])
+            evicted.append(mine[0][1])
+            log.warning("dropped partial message %s from %r: more than %d at once", mine[0][1], sender,
+                        self.max_pending_per_sender)  # fmt: skip
+        p = _Partial(c, {}, 0, self._clock())
+        self._pending[key] = p
+        return p
+
+    def _make_room(self, sender: str, key: tuple[str, str], size: int, evicted: list[str]) -> None:
+        """Room for ``size`` more bytes of ``key``: evict this sender's other partial messages, oldest first, while
+        it is over its budget or the total is over its bound; refuse the piece when that is not enough."""
+        limit = self._limit(sender)
+        mine = [k for k in self._pending if k[0] == sender and k != key]
+        held = sum(self._pending[k].held for k in self._pending if k[0] == sender)
+        while mine and (held + size > limit or self._pending_bytes + size > self.max_pending_bytes):
             k = mine.pop(0)
+            held -= self._pending[k].held
             self._drop(k)
             evicted.append(k[1])
-            log.warning("dropped partial message %s from %r to make room for %s", k[1], sender, c.of)
-        if self._pending_bytes + c.size > self.max_pending_bytes:  # held by other senders: refuse, evict nobody else
-            raise ChunkError(f"chunk of {c.of} from {sender!r}: {self._pending_bytes} bytes already pending, no room")
-        p = _Partial(c, bytearray(c.size), bytearray(c.count), 0, self._clock())
-        self._pending[key] = p
-        self._pending_bytes += c.size
-        return p
+            log.warning("dropped partial message %s from %r to make room for %s", k[1], sender, key[1])
+        if held + size > limit:
+            self._drop(key)
+            raise ChunkError(f"sender {sender!r} would hold {held + size} bytes of partial messages, over its {limit}")
+        if self._pending_bytes + size > self.max_pending_bytes:  # held by other senders: refuse, evict nobody else
+            raise ChunkError(f"chunk of {key[1]} from {sender!r}: {self._pending_bytes} bytes already pending, no room")
 
     def _drop(self, key: tuple[str, str]) -> None:
         p = self._pending.pop(key, None)
         if p is not None:
-            self._pending_bytes -= len(p.buf)
+            self._pending_bytes -= p.held
 
     def _expire(self, now: float) -> None:
         while self._pending:
@@ -179,7 +202,7 @@ class Reassembler:
                 "dropping partial message %s from %r: %d/%d chunks after %.0f s",
                 key[1],
                 key[0],
-                p.received,
+                len(p.pieces),
                 p.first.count,
                 now - p.started,
             )

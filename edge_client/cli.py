@@ -38,12 +38,16 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
+    """``train``: a replacement for the local training (robustness experiments wrap it; devices never do)."""
     from edge_client.data import load_local_data
     from edge_client.runtime import EdgeClient
+    from edge_client.trainer import train_local
 
     dataset = load_local_data(args.data)
-    config = _link_config(args, chunk_size=args.chunk_size, keepalive=args.keepalive)
+    config = _link_config(
+        args, chunk_size=args.chunk_size, keepalive=args.keepalive, max_packet_size=args.max_packet_size or None
+    )
     client = EdgeClient(
         args.client_id,
         dataset,
@@ -51,10 +55,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         job=args.job,
         threads=args.threads,
         state_dir=Path(args.state_dir) if args.state_dir else None,
-        behaviour=args.behaviour,
+        train=train or train_local,
     )
     client.run(max_rounds=args.max_rounds)
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """One line per item (edge_client/check.py); exit status 0 when the device is ready, 1 when not."""
+    from edge_client.check import check_all, report
+
+    def config() -> LinkConfig:  # called inside the broker item: an unreadable password file is a FAIL line
+        return _link_config(args, session_expiry_s=0, connect_timeout_s=args.timeout)
+
+    return report(check_all(config, args.client_id, args.job, args.data), args.client_id, args.job)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -141,16 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="bytes per MQTT message chunk")
     run.add_argument("--keepalive", type=int, default=60, help="MQTT keepalive seconds (long enough for an upload)")
     run.add_argument(
+        "--max-packet-size",
+        type=int,
+        default=0,
+        help="the broker's packet limit in bytes when it advertises none (ejabberd: its max_payload_size); "
+        "0 (default): the limit the broker advertises",
+    )
+    run.add_argument(
         "--state-dir",
         help="directory where algorithm state that must survive a restart is kept "
         "(SCAFFOLD's control variate, FedUmf's stored update)",
-    )
-    run.add_argument(
-        "--behaviour",
-        default="honest",
-        help="for robustness experiments only: honest (default), "
-        "freeloader (uploads the last global update, no training) or scale:SIGMA (scales its update by "
-        "p ~ N(0, SIGMA^2))",
     )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
     run.set_defaults(func=cmd_run)
@@ -165,6 +179,18 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--out", default="model.onnx", help="where to write the model (default model.onnx)")
     fetch.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the model (default 30)")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    check = sub.add_parser(
+        "check",
+        parents=[connection],
+        help="is this device ready? broker login, ACL, data, torch and onnxruntime on this CPU, device metrics",
+        description="Check, one line per item, that the broker accepts this device's login, that its ACL lets the "
+        "device publish its updates, that the data loads, that torch and onnxruntime run on this CPU, and show "
+        "the device's metrics. Exit status 0: ready; 1: something to fix.",
+    )
+    check.add_argument("--data", help="this device's data file or directory to check (as edge-client run --data)")
+    check.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
+    check.set_defaults(func=cmd_check)
 
     predict = sub.add_parser(
         "predict",

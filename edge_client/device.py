@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SYSFS_FREQ = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
 SYSFS_TEMP = Path("/sys/class/thermal/thermal_zone0/temp")
+PROC_STATUS = Path("/proc/self/status")
 
 
 def device_info() -> dict[str, Any]:
@@ -134,7 +135,20 @@ def throttled_flags() -> int | None:
 
 
 def peak_rss_mb() -> float | None:
-    """Peak resident memory of this process in MiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """Peak resident memory of this process in MiB: its own high-water mark, ``VmHWM`` in ``/proc/self/status``.
+
+    Not ``ru_maxrss`` on Linux: a forked child starts with its parent's high-water mark and keeps it as its
+    ``maxrss`` through exec, so a client started by a large process (a server, a benchmark, a test) would report
+    the parent's peak. ``VmHWM`` belongs to the process's own address space and starts afresh at exec. Where there
+    is no /proc (macOS), ``ru_maxrss`` is the best there is.
+    """
+    try:
+        with open(PROC_STATUS, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     if resource is None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

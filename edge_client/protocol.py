@@ -20,12 +20,14 @@ import numpy as np
 
 from edge_client.topics import CLIENT_ID_RE
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: assignments carry settings (the contract's), momentum, weight decay and the run id
 DTYPE = "<f4"  # the only array dtype on the wire
 MAX_HEADER_BYTES = 65536
 _U8 = "|u1"  # chunk payload bytes
 _MSG_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
+_REASON_RE = re.compile(r"[a-z_]{1,32}")
 
 
 class ProtocolError(ValueError):
@@ -94,22 +96,29 @@ class Hello:
 
 @dataclass
 class Assignment:
-    """Server -> one client: everything that client needs for this round."""
+    """Server -> one client: everything that client needs for this round.
 
-    round: int
-    model_version: int
+    A strategy fills what the algorithm decides (steps tau, learning rate, TACO's alpha_i, the contract's settings
+    and arrays, a model to start from other than the global one); the orchestrator fills the round's facts.
+    """
+
     local_steps: int
     lr: float
     batch_size: int
-    deadline_s: float
-    algorithm: str
-    model: dict[str, Any]
-    weights: np.ndarray
-    alpha: float | None = None
-    params: dict[str, Any] = field(default_factory=dict)
+    alpha: float | None = None  # TACO's alpha_i, in every algorithm that uses it (its contract says so)
+    settings: dict[str, Any] = field(default_factory=dict)  # the contract's device settings and per-round values
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    weights: np.ndarray | None = None  # None until the orchestrator puts in the global model
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    round: int = 0
+    model_version: int = 0
+    deadline_s: float = 0.0
+    algorithm: str = ""
+    model: dict[str, Any] = field(default_factory=dict)
     upload: bool = True
     seed: int = 0
+    run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
 
@@ -128,10 +137,27 @@ class Update:
     train_loss: float
     delta: np.ndarray
     metrics: dict[str, Any] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # the values the algorithm's contract returns
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "update"
+
+
+@dataclass
+class Failure:
+    """Client -> server: this device could not serve its assignment (``reason`` a short code, ``detail`` the error).
+
+    The server logs and counts it and stops waiting for that client this round; the device keeps serving.
+    """
+
+    round: int
+    client_id: str
+    reason: str
+    detail: str = ""
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "failure"
 
 
 @dataclass
@@ -147,6 +173,7 @@ class Presence:
 @dataclass
 class Stop:
     reason: str
+    run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "stop"
 
@@ -178,7 +205,7 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
-Message = Hello | Assignment | Update | Presence | Stop | ModelFile
+Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -238,10 +265,18 @@ def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a map with str keys"
 
 
+def _text(limit: int) -> Check:
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and len(v) <= limit else f"a str of at most {limit} characters"
+
+    return check
+
+
 _NONNEG = _int(0)
 _CID = _str(CLIENT_ID_RE)
 _TEXT = _str()
 _INT = _int()
+_RUN = _str(_RUN_ID_RE)
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
 _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
@@ -256,9 +291,12 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "algorithm": ("algorithm", _TEXT),
         "model": ("model", _dict),
         "alpha": ("alpha", _float(optional=True)),
-        "params": ("params", _dict),
+        "settings": ("settings", _dict),
+        "momentum": ("momentum", _float(0.0)),
+        "weight_decay": ("weight_decay", _float(0.0)),
         "upload": ("upload", _bool),
         "seed": ("seed", _NONNEG),
+        "run": ("run_id", _RUN),
     },
     "update": {
         "round": ("round", _NONNEG),
@@ -271,6 +309,14 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "train_loss": ("train_loss", _float(finite=False)),  # a diverged client may still report its NaN loss
         "metrics": ("metrics", _dict),
         "extras": ("extras", _dict),
+        "run": ("run_id", _RUN),
+    },
+    "failure": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "reason": ("reason", _str(_REASON_RE)),
+        "detail": ("detail", _text(2000)),
+        "run": ("run_id", _RUN),
     },
     "presence": {
         "client_id": ("client_id", _CID),
@@ -278,7 +324,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "role": ("role", _str(choices=("client", "server"))),
         "reason": ("reason", _TEXT),
     },
-    "stop": {"reason": ("reason", _TEXT)},
+    "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
@@ -289,12 +335,14 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "sha256": ("sha256", _str(_SHA256_RE)),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Presence, Stop, ModelFile, Chunk)}
+_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk)}
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
 _VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
 }
+# An assignment's defaults only serve the strategy that starts one; on the wire every field must be there.
+_REQUIRED["assignment"] = {attr for attr, _ in _SPECS["assignment"].values()}
 
 
 def _short(v: Any) -> str:

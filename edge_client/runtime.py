@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -22,13 +23,12 @@ from torch import nn
 from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.behaviours import Behaviour
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.protocol import Assignment, Hello, Message, Presence, Stop, Update, encode
+from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
 from edge_client.topics import Topics, validate_client_id
-from edge_client.trainer import prepare_process, train_local
+from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 ModelFactory = Callable[[dict[str, Any]], nn.Module]
 #: Builds the client's link from its subscriptions and the hook to call on every (re)connect (in-process runs).
 LinkFactory = Callable[[list[str], Callable[[], None]], Link]
+#: One round of local training (``trainer.train_local``; experiments wrap it to simulate dishonest clients).
+TrainFn = Callable[[FlatModel, np.ndarray, ArrayDataset, BatchSampler, Plan, ClientAlgorithm], TrainResult]
 
 
 class EdgeClient:
@@ -51,8 +53,8 @@ class EdgeClient:
         model_factory: ModelFactory = build_model,
         threads: int = 1,
         state_dir: Path | None = None,
-        behaviour: str = "honest",
         link_factory: LinkFactory | None = None,
+        train: TrainFn = train_local,
     ) -> None:
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
@@ -60,9 +62,12 @@ class EdgeClient:
         self.model_factory = model_factory
         self.threads = threads
         self.state_dir = state_dir
-        self.behaviour = Behaviour.parse(behaviour, self.client_id)
+        self.train = train
         self.rounds_done = 0
-        self.served_round = 0  # the newest round this process trained for: older assignments are stale
+        # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
+        # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
+        # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
+        self.served: tuple[str, int, str] = self._load_served()
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
         self._sampler: BatchSampler | None = None
@@ -114,11 +119,8 @@ class EdgeClient:
         if isinstance(msg, Stop):
             log.info("server says stop: %s", msg.reason)
             return False
-        if isinstance(msg, Presence) and msg.role == "server":
-            if msg.online:
-                self._say_hello()  # the server (re)started: register again
-            else:  # whoever comes next may be a new run that starts again at round 1
-                self.served_round = 0
+        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
+            self._say_hello()  # the server (re)started: register again
         elif isinstance(msg, Assignment):
             self._serve(msg)
         return True
@@ -131,6 +133,30 @@ class EdgeClient:
     def _state_path(self, name: str) -> Path | None:
         """Per job and algorithm, so that state from one federation never leaks into another."""
         return self.state_dir / self.topics.job / f"{name}.npz" if self.state_dir else None
+
+    def _load_served(self) -> tuple[str, int, str]:
+        path = self._state_path("served")
+        try:
+            saved = json.loads(path.with_suffix(".json").read_text()) if path else {}
+            return str(saved["run"]), int(saved["round"]), str(saved["msg_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "", 0, ""
+
+    def _mark_served(self, a: Assignment) -> None:
+        self.served = (a.run_id, a.round, a.msg_id)
+        path = self._state_path("served")
+        if path is not None:
+            path = path.with_suffix(".json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"run": a.run_id, "round": a.round, "msg_id": a.msg_id}))
+            os.replace(tmp, path)
+
+    def _fail(self, assignment: Assignment, reason: str, exc: BaseException) -> None:
+        """Tell the server this round cannot be served (so it stops waiting) and keep serving the next ones."""
+        log.error("round %d: cannot serve the assignment (%s): %s", assignment.round, reason, exc)
+        failure = Failure(assignment.round, self.client_id, reason, str(exc)[:2000], run_id=assignment.run_id)
+        self.link.publish(self.topics.up(self.client_id), encode(failure))
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
@@ -154,35 +180,40 @@ class EdgeClient:
         os.replace(tmp, path)
 
     def _serve(self, assignment: Assignment) -> None:
-        if assignment.round < self.served_round:  # e.g. replayed from the persistent session after a broker restart
-            log.warning(
-                "round %d: skipping a stale assignment (round %d already served)", assignment.round, self.served_round
-            )
+        run, served, msg_id = self.served
+        stale = assignment.round < served or (assignment.round == served and assignment.msg_id == msg_id)
+        if assignment.run_id == run and stale:  # e.g. replayed from the session after a restart
+            log.warning("round %d: skipping a stale assignment (round %d of this run already served)",
+                        assignment.round, served)  # fmt: skip
             return
         try:
             model = self._model_for(assignment.model)
             algorithm = self._algorithm_for(assignment.algorithm)
-            if model.size != assignment.weights.size:
+            if assignment.weights is None or model.size != assignment.weights.size:
                 raise ValueError(
-                    f"the server's model has {assignment.weights.size} parameters, this client's {model.size}"
+                    f"the server's model has {getattr(assignment.weights, 'size', 0)} parameters, this client's "
+                    f"{model.size}"
                 )
+            plan = plan_for(assignment, algorithm, model.size)
         except ValueError as exc:  # a round this device cannot serve must not end the client
-            log.error("round %d: cannot serve the assignment: %s; skipping the round", assignment.round, exc)
+            self._fail(assignment, "assignment", exc)
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
             self._sampler_key = (assignment.batch_size, assignment.seed)
 
-        self.served_round = assignment.round
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         before = device.snapshot()
-        if self.behaviour.trains:
-            result = self.behaviour.tamper(train_local(model, self.dataset, self._sampler, assignment, algorithm))
-            self._save_state(assignment.algorithm, algorithm)
-        else:
-            result = self.behaviour.freeload(assignment)
+        try:
+            result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)
+        except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
+            log.exception("round %d: local training failed", assignment.round)
+            self._fail(assignment, "train_error", exc)
+            return
+        self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
         if not assignment.upload:
+            self._mark_served(assignment)
             log.info(
                 "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",
                 assignment.round,
@@ -212,6 +243,7 @@ class EdgeClient:
             },
             extras=result.extras,
             arrays=result.arrays,
+            run_id=assignment.run_id,
         )
         payload = encode(update)
         serialize_s = time.perf_counter() - t0
@@ -220,6 +252,7 @@ class EdgeClient:
         self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
         # Serialising and uploading happen after the update is built, so they travel with the next one.
         self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}
+        self._mark_served(assignment)
         self.rounds_done += 1
         log.info(
             "round %d: %d steps in %.3f s (cpu %.3f s), loss %.4f, serialise %.3f s, upload %d bytes in %.3f s",

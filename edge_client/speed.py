@@ -7,17 +7,17 @@ order rotates from repeat to repeat), so thermal throttling or background load a
 is the median over repeats, and the ratio to FedAvg of the same model in the same run (TACO Table I).
 
 Each algorithm keeps one client-half instance for the whole benchmark, and an untimed warm-up round runs first, so
-the timed rounds are steady-state rounds (SCAFFOLD's ``c_i`` is set, TACO knows the previous global model). The
-assignment carries generic coefficients (:data:`DEFAULT_PARAMS`); an array or coefficient the client half still asks
-for (``ValueError: ... carries no array 'c'`` / ``... carries no 'zeta'``) is added as zeros / a small value and the
-round retried, so a newly registered algorithm needs no code here.
+the timed rounds are steady-state rounds (SCAFFOLD's ``c_i`` is set, TACO knows the previous global model). The plan
+of each round comes from the algorithm's contract: its default settings, the example of every per-round value, TACO's
+``alpha_init`` as alpha, and zeros for every array the server would send, so a newly registered algorithm needs no
+code here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
-import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +27,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODELS", "DEFAULT_PARAMS", "benchmark", "format_table", "make_assignment"]
+__all__ = ["DEFAULT_MODELS", "benchmark", "format_table", "make_plan"]
 
 #: the models the project ships: TACO's CNN on MNIST and on 32x32 RGB images, the MLP on digits
 DEFAULT_MODELS: dict[str, dict[str, Any]] = {
@@ -36,48 +36,20 @@ DEFAULT_MODELS: dict[str, dict[str, Any]] = {
     "mlp-digits": {"name": "mlp", "in_features": 64, "num_classes": 10},
 }
 
-#: plausible algorithm coefficients; a client half reads the ones it knows and ignores the rest
-DEFAULT_PARAMS: dict[str, Any] = {
-    "zeta": 0.01,  # FedProx
-    "alpha": 0.1,  # SCAFFOLD, STEM, FedUmf
-    "beta": 0.1,  # FedACG
-    "gamma": 0.1,  # TACO
-    "alpha_init": 0.1,
-    "P": 1.0,  # FedVeca
-}
 LR = 0.01
-_MISSING_ARRAY = re.compile(r"carries no array '([^']+)'")
-_MISSING_PARAM = re.compile(r"carries no '([^']+)'")
-_MAX_RETRIES = 16
 
 
-def make_assignment(
-    algorithm: str,
-    spec: Mapping[str, Any],
-    weights: np.ndarray,
-    *,
-    steps: int,
-    batch_size: int,
-    params: Mapping[str, Any] | None = None,
-    arrays: Mapping[str, np.ndarray] | None = None,
-    version: int = 0,
-) -> Any:
-    """A plausible assignment of round ``version`` for benchmarking ``algorithm``."""
-    from edge_client.protocol import Assignment
+def make_plan(algorithm: str, size: int, *, steps: int, batch_size: int, version: int = 0) -> Any:
+    """A plausible plan of round ``version`` for ``algorithm``, from its contract alone (no server involved)."""
+    from edge_client.algorithms import contract_of
+    from edge_client.algorithms.taco import ALPHA_INIT
+    from edge_client.trainer import Plan
 
-    return Assignment(
-        round=version,
-        model_version=version,
-        local_steps=steps,
-        lr=LR,
-        batch_size=batch_size,
-        deadline_s=3600.0,
-        algorithm=algorithm,
-        model=dict(spec),
-        weights=weights,
-        params=dict(DEFAULT_PARAMS if params is None else params),
-        arrays=dict(arrays or {}),
-    )
+    contract = contract_of(algorithm)
+    arrays = {a.name: np.zeros(size, dtype=np.float32) for a in contract.sends}
+    alpha = ALPHA_INIT.default if contract.uses_alpha else None
+    return Plan(steps, LR, batch_size, contract.example_sent(), arrays, alpha=alpha, round=version + 1,
+                model_version=version)  # fmt: skip
 
 
 def _num_classes(spec: Mapping[str, Any], model: Any, shape: tuple[int, ...]) -> int:
@@ -90,7 +62,7 @@ def _num_classes(spec: Mapping[str, Any], model: Any, shape: tuple[int, ...]) ->
 
 
 class _Runner:
-    """One (model, algorithm) pair: its client half, model, data and the assignment that works for it."""
+    """One (model, algorithm) pair: its client half, model and synthetic data."""
 
     def __init__(self, label: str, spec: Mapping[str, Any], algorithm: str, batch_size: int, seed: int) -> None:
         from edge_client.algorithms import client_algorithm
@@ -112,41 +84,17 @@ class _Runner:
         self.dataset = ArrayDataset(x, rng.integers(0, classes, n))
         self.sampler = BatchSampler(n, batch_size, seed, f"bench-{algorithm}")
         self.batch_size = batch_size
-        self.params = dict(DEFAULT_PARAMS)
-        self.arrays: dict[str, np.ndarray] = {}
         self.version = 0
 
     def run(self, steps: int) -> Any:
-        """One round of ``steps`` local steps; the assignment grows until the client half accepts it."""
-        from edge_client.algorithms import client_algorithm
+        """One round of ``steps`` local steps from the current weights."""
         from edge_client.trainer import train_local
 
-        for _ in range(_MAX_RETRIES):
-            assignment = make_assignment(
-                self.algorithm_name,
-                self.spec,
-                self.weights,
-                steps=steps,
-                batch_size=self.batch_size,
-                params=self.params,
-                arrays=self.arrays,
-                version=self.version,
-            )
-            try:
-                result = train_local(self.flat, self.dataset, self.sampler, assignment, self.algorithm)
-            except ValueError as exc:
-                if match := _MISSING_ARRAY.search(str(exc)):
-                    self.arrays[match.group(1)] = np.zeros(self.flat.size, dtype=np.float32)
-                elif (match := _MISSING_PARAM.search(str(exc))) and match.group(1) not in self.params:
-                    self.params[match.group(1)] = 0.01
-                else:
-                    raise ValueError(f"benchmark {self.label}/{self.algorithm_name}: {exc}") from exc
-                log.debug("%s/%s: retrying with %r", self.label, self.algorithm_name, match.group(1))
-                self.algorithm = client_algorithm(self.algorithm_name)  # a failed begin_round may leave state
-                continue
-            self.version += 1
-            return result
-        raise ValueError(f"benchmark {self.label}/{self.algorithm_name}: the client half keeps rejecting the round")
+        plan = make_plan(self.algorithm_name, self.flat.size, steps=steps, batch_size=self.batch_size,
+                         version=self.version)  # fmt: skip
+        result = train_local(self.flat, self.weights, self.dataset, self.sampler, plan, self.algorithm)
+        self.version += 1
+        return result
 
 
 def _label(spec: Mapping[str, Any]) -> str:
@@ -192,7 +140,7 @@ def benchmark(
 
         {"model": label, "spec": {...}, "algorithm": "scaffold", "steps": 100, "batch_size": 64, "repeats": 3,
          "threads": 1, "s_per_100": 0.41, "cpu_s_per_100": 0.40, "runs_s_per_100": [...], "ratio_to_fedavg": 1.07,
-         "params": {...}, "arrays": ["c"], "inference": {"batch_1": {...}, "batch_64": {...}},
+         "arrays": ["c"], "inference": {"batch_1": {...}, "batch_64": {...}},
          "device": {<device.summarise of the snapshots around the training measurements>}}
 
     ``ratio_to_fedavg`` is None when FedAvg is not among ``algorithms``; ``inference`` (ONNX via onnxruntime, same
@@ -205,6 +153,11 @@ def benchmark(
 
     if steps < 1 or repeats < 1 or batch_size < 1 or threads < 1:
         raise ValueError("steps, batch_size, repeats and threads must all be >= 1")
+    if inference and importlib.util.find_spec("onnx") is None:  # a device installs onnxruntime, not onnx
+        log.warning(
+            "ONNX inference latency not measured: exporting the model needs the onnx package (pip install onnx)"
+        )
+        inference = False
     if model_specs is None:
         model_specs = DEFAULT_MODELS
     labelled: list[tuple[str, dict[str, Any]]] = []
@@ -229,7 +182,7 @@ def benchmark(
         runners = {
             (label, alg): _Runner(label, spec, alg, batch_size, seed) for label, spec in labelled for alg in algorithms
         }
-        for runner in runners.values():  # untimed: discovers the arrays/params, reaches steady state, warms up
+        for runner in runners.values():  # untimed: reaches steady state, warms up
             runner.run(min(steps, 5))
         wall: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
         cpu: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
@@ -264,8 +217,7 @@ def benchmark(
                         "cpu_s_per_100": float(np.median(cpu[label, alg])),
                         "runs_s_per_100": list(wall[label, alg]),
                         "ratio_to_fedavg": (1.0 if alg == "fedavg" else median / base) if base else None,
-                        "params": {k: v for k, v in runner.params.items() if k not in DEFAULT_PARAMS},
-                        "arrays": sorted(runner.arrays),
+                        "arrays": sorted(a.name for a in runner.algorithm.contract.sends),
                         "inference": latency if i == 0 else None,
                         "device": machine,
                     }

@@ -4,8 +4,10 @@ Wall time (``perf_counter``) and process CPU time (``process_time``, which sums 
 computation only, the algorithm's own work included (FedVeca's full local gradient, STEM's second gradient); loading
 weights, serialising and communicating are timed elsewhere (RESEARCH.md section 3, plato PR #92).
 
-The local optimiser is plain SGD (ALGORITHMS.md C7); an assignment may ask for ``momentum`` and ``weight_decay``
-(FedUmf's local optimiser), with the momentum buffer reset every round.
+The local optimiser is plain SGD (ALGORITHMS.md C7), with the run's ``momentum`` and ``weight_decay`` when set
+(FedUmf's paper uses 0.5 and 5e-4); the momentum buffer is reset every round. ``train_local`` takes a :class:`Plan`,
+not a network message, so the server's own training (DRAG-BR's root reference) and the device benchmark run the
+same loop as a device.
 """
 
 from __future__ import annotations
@@ -19,9 +21,41 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment
+
+
+@dataclass
+class Plan:
+    """One round of local training: the steps and optimiser, the algorithm's settings and arrays, and the round facts
+    a client half may need (TACO's model version and alpha_i, FedUmf's round and whether it uploads)."""
+
+    steps: int
+    lr: float
+    batch_size: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    alpha: float | None = None
+    round: int = 0
+    model_version: int = 0
+    upload: bool = True
+
+
+def plan_for(assignment: Assignment, algorithm: ClientAlgorithm, size: int) -> Plan:
+    """The plan of an assignment, its settings, values and arrays checked against the algorithm's contract."""
+    contract = algorithm.contract
+    settings = contract.read_sent(assignment.settings, assignment.arrays, size)
+    if contract.uses_alpha and assignment.alpha is None:
+        raise ContractError(f"{contract.name}.alpha: missing from the assignment (TACO's alpha_i of this client)")
+    a = assignment
+    return Plan(
+        a.local_steps, a.lr, a.batch_size, settings, dict(a.arrays), a.momentum, a.weight_decay, a.alpha, a.round,
+        a.model_version, a.upload,
+    )  # fmt: skip
 
 
 @dataclass
@@ -45,31 +79,29 @@ def prepare_process(threads: int) -> None:
     with contextlib.suppress(RuntimeError):  # already set, or parallel work already ran in this process
         torch.set_num_interop_threads(1)
     probe = torch.zeros(1, requires_grad=True)
-    (probe * 2).sum().backward()
-    torch.optim.SGD([probe], lr=0.1)
+    (probe * 2).sum().backward()  # not torch.optim: the loop never uses it, and it imports torch._dynamo (69 MiB)
 
 
 def train_local(
     flat: FlatModel,
+    weights: np.ndarray,
     dataset: ArrayDataset,
     sampler: BatchSampler,
-    assignment: Assignment,
+    plan: Plan,
     algorithm: ClientAlgorithm,
 ) -> TrainResult:
-    """Run the assignment's local steps from its global weights and return the update."""
-    flat.load(assignment.weights)
+    """Run the plan's local steps from ``weights`` and return the update."""
+    flat.load(weights)
     flat.module.train()
-    ctx = LocalContext(flat, flat.params.clone(), assignment, dataset, sampler)
-    lr = assignment.lr
-    momentum = float(assignment.params.get("momentum", 0.0))
-    weight_decay = float(assignment.params.get("weight_decay", 0.0))
+    ctx = LocalContext(flat, flat.params.clone(), plan, dataset, sampler)
+    lr, momentum, weight_decay = plan.lr, plan.momentum, plan.weight_decay
     buf = torch.zeros_like(flat.params) if momentum else None
     x, y = dataset.x, dataset.y
     loss_sum = torch.zeros(())
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     algorithm.begin_round(ctx)
-    for step in range(assignment.local_steps):
+    for step in range(plan.steps):
         idx = sampler.next()
         xb, yb = torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
         loss_sum += flat.loss_and_grad(xb, yb)
@@ -86,10 +118,10 @@ def train_local(
 
     return TrainResult(
         delta=delta,
-        local_steps=assignment.local_steps,
+        local_steps=plan.steps,
         compute_s=compute_s,
         cpu_s=cpu_s,
-        train_loss=float(loss_sum) / max(1, assignment.local_steps),
+        train_loss=float(loss_sum) / max(1, plan.steps),
         extras=extras,
         arrays=arrays,
     )

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 #: Bytes an MQTT PUBLISH adds around topic and payload (fixed header, length fields, packet id, properties).
 PUBLISH_OVERHEAD = 64
+#: What a sender may have queued beyond its chunked-message budget: hellos, presence, failure reports, chunk headers.
+SMALL_QUEUE_BYTES = 4 << 20
 
 
 @dataclass
@@ -51,6 +53,10 @@ class LinkConfig:
     max_message_bytes: int = 256 * 2**20
     max_queued: int = 10000
     connect_timeout_s: float = 30.0
+    # The broker's maximum packet size when it advertises none in CONNACK (ejabberd's mod_mqtt does not, and drops
+    # the connection on a larger packet): the size check and the chunk size then use it. The smaller of the two
+    # wins when both are known; None: only what the broker advertises.
+    max_packet_size: int | None = None
 
     def endpoint(self) -> tuple[str, int, bool]:
         parts = urlsplit(self.url)
@@ -79,17 +85,58 @@ class Link(Protocol):
 
     def reject(self, topic: str, exc: ProtocolError) -> None: ...
 
+    def limit_senders(self, budget: Callable[[str], int]) -> None: ...
+
+
+class QueueFull(ProtocolError):
+    """A frame dropped on arrival because its sender, or the link as a whole, has too much waiting already."""
+
+    reason = "inbox_full"
+
 
 class Inbox:
     """The receiving half every link shares: raw frames in, reassembled and validated messages out, on the caller's
-    thread; rejections are counted by reason and bytes by topic."""
+    thread; rejections are counted by reason and bytes by topic.
 
-    def __init__(self, max_message_bytes: int) -> None:
+    The queue between the network thread and the caller is bounded in bytes: in all (``max_queued_bytes``) and, once
+    ``limit_senders`` gives a budget per topic, per sender (its budget plus a little for small messages), so one
+    flooding sender can neither exhaust memory nor crowd out the others. What is dropped is counted as
+    ``inbox_full``.
+    """
+
+    def __init__(self, max_message_bytes: int, max_queued_bytes: int = 1 << 30) -> None:
         self.rejections: Counter[str] = Counter()
         self.bytes_in = 0
+        self.max_queued_bytes = max_queued_bytes
         self._bytes_by_topic: Counter[str] = Counter()
         self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        self._queued: Counter[str] = Counter()  # bytes waiting per topic
+        self._queued_total = 0
+        self._queue_lock = threading.Lock()
+        self._budget: Callable[[str], int] | None = None
         self._reassembler = chunking.Reassembler(max_message_bytes=max_message_bytes)
+
+    def limit_senders(self, budget: Callable[[str], int]) -> None:
+        """``budget(topic)``: the bytes of chunked messages that topic's sender may have in flight right now."""
+        self._budget = budget
+        self._reassembler.budget = budget
+
+    def _offer(self, topic: str, payload: bytes) -> None:
+        """Queue a frame from the network (any thread), or drop it when its sender or the link is over its bound."""
+        n = len(payload)
+        with self._queue_lock:
+            mine = self._queued[topic] + n
+            cap = self._budget(topic) + SMALL_QUEUE_BYTES if self._budget is not None else self.max_queued_bytes
+            if mine > cap or self._queued_total + n > self.max_queued_bytes:
+                self.rejections[QueueFull.reason] += 1
+                dropped = self.rejections[QueueFull.reason]
+                if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th ... drop: a flood does not flood the log
+                    log.warning("dropped a %d-byte frame on %s: %d bytes of it queued, %d in all (%d dropped so far)",
+                                n, topic, self._queued[topic], self._queued_total, dropped)  # fmt: skip
+                return
+            self._queued[topic] = mine
+            self._queued_total += n
+        self._inbox.put((topic, payload))
 
     def receive(self, timeout: float) -> tuple[str, Message] | None:
         """The next valid message and its topic, or None when ``timeout`` passes without one.
@@ -103,6 +150,11 @@ class Inbox:
                 topic, payload = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
             except queue.Empty:
                 return None
+            with self._queue_lock:
+                self._queued[topic] -= len(payload)
+                self._queued_total -= len(payload)
+                if not self._queued[topic]:
+                    del self._queued[topic]
             self.bytes_in += len(payload)
             self._bytes_by_topic[topic] += len(payload)
             try:
@@ -119,7 +171,8 @@ class Inbox:
 
     def reject(self, topic: str, exc: ProtocolError) -> None:
         """Count and log a message that failed validation (also used by callers for semantic checks)."""
-        self.rejections[exc.reason] += 1
+        with self._queue_lock:
+            self.rejections[exc.reason] += 1
         log.warning("rejected message on %s: %s: %s", topic, type(exc).__name__, exc)
 
 
@@ -146,6 +199,9 @@ class MqttLink(Inbox):
         self._lock = threading.Condition()
         self._pending: set[int] = set()
         self._acked_early: set[int] = set()
+        #: publishes the broker acknowledged with a failure (MQTT 5 PUBACK >= 0x80, e.g. an ACL's "Not authorized"),
+        #: by reason; such a message was dropped by the broker, although it counts as published
+        self.refused_publishes: Counter[str] = Counter()
 
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=mqtt_client_id, protocol=MQTTProtocolVersion.MQTTv5)
         client.max_queued_messages_set(config.max_queued)
@@ -202,7 +258,8 @@ class MqttLink(Inbox):
         sock = client.socket()
         if isinstance(sock, socket.socket):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.max_packet_size = getattr(properties, "MaximumPacketSize", None) if properties else None
+        advertised = getattr(properties, "MaximumPacketSize", None) if properties else None
+        self.max_packet_size = min((n for n in (advertised, self.config.max_packet_size) if n), default=None)
         self._connect_error = None
         if self.subscriptions:  # ready once the broker confirmed the subscriptions (SUBACK)
             client.subscribe([(topic, 1) for topic in self.subscriptions])
@@ -224,10 +281,14 @@ class MqttLink(Inbox):
             log.warning("disconnected from %s: %s; reconnecting", self.config.url, reason_code)
 
     def _handle_message(self, client, userdata, msg) -> None:
-        self._inbox.put((msg.topic, msg.payload))
+        self._offer(msg.topic, msg.payload)
 
     def _handle_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.warning("the broker refused publish %d: %s", mid, reason_code)
         with self._lock:
+            if reason_code.is_failure:
+                self.refused_publishes[str(reason_code)] += 1
             if mid in self._pending:
                 self._pending.discard(mid)
             else:  # paho may acknowledge before publish() has returned the mid to us

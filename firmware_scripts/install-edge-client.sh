@@ -38,7 +38,12 @@ Layout:
   --user NAME          service user (default: edgefl)
   --arch ARCH          override uname -m (tests)
   --no-start           do not enable or start the service
+  --no-check           do not run edge-client check at the end (it needs the broker, the password and the data)
   -h, --help           this text
+
+At the end it runs edge-client check with the device's settings (on the device, as the service user) and starts
+the service only when the check passes. Exit status: 0 installed and ready (or --no-check / --skip-pip),
+1 installed but the check failed (its FAIL lines say what to fix), 2 bad arguments or a failed step.
 EOF
 }
 
@@ -47,7 +52,7 @@ log() { echo "$PROG: $*" >&2; }
 
 ROOT="" PREFIX=/opt/edgefl SVC_USER=edgefl PYTHON=python3 WHEELS="" PACKAGE="" SKIP_PIP=0 NO_DEPS=0
 BROKER="mqtts://edgefl-broker.local:8883" CLIENT_ID="" DATA=/var/lib/edgefl/data.npz CA_SRC="" PW_SRC=""
-JOB=default THREADS=3 CPU_QUOTA=300% ARCH="" START=1
+JOB=default THREADS=3 CPU_QUOTA=300% ARCH="" START=1 CHECK=1
 
 need_arg() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ "$#" -gt 0 ]; do
@@ -70,6 +75,7 @@ while [ "$#" -gt 0 ]; do
         --cpu-quota) need_arg "$@"; CPU_QUOTA=$2; shift 2 ;;
         --arch) need_arg "$@"; ARCH=$2; shift 2 ;;
         --no-start) START=0; shift ;;
+        --no-check) CHECK=0; shift ;;
         -h | --help) usage; exit 0 ;;
         *) usage >&2; die "unknown option: $1" ;;
     esac
@@ -251,6 +257,22 @@ render "$HERE/edgefl-client.service.in" >"$ROOT/etc/systemd/system/$UNIT.tmp"
 chmod 0644 "$ROOT/etc/systemd/system/$UNIT.tmp"
 mv -f "$ROOT/etc/systemd/system/$UNIT.tmp" "$ROOT/etc/systemd/system/$UNIT"
 
+# --- readiness: edge-client check with the settings the service will use (the kept config file wins) -----------
+READY=1
+if [ "$SKIP_PIP" -eq 0 ] && [ "$CHECK" -eq 1 ]; then
+    env_value() { sed -n "s/^$1=//p" "$R_CONF/edge-client.env" | tail -n1; }
+    check_broker=$(env_value EDGEFL_BROKER)
+    check_args=(check --broker "$check_broker" --client-id "$DEVICE_ID" --job "$(env_value EDGEFL_JOB)"
+        --password-file "$R_CONF/password" --data "$ROOT$(env_value EDGEFL_DATA)")
+    [[ $check_broker != mqtts://* ]] || check_args+=(--ca-file "$ROOT$(env_value EDGEFL_CA_FILE)")
+    as_service=() # on the device itself the check runs as the service user: its file permissions count too
+    if [ -z "$ROOT" ] && [ "$IS_ROOT" -eq 1 ] && command -v runuser >/dev/null; then
+        as_service=(runuser -u "$SVC_USER" --)
+    fi
+    log "edge-client check: broker login, ACL, data, torch and onnxruntime on this CPU (--no-check skips it)"
+    "${as_service[@]}" "$VENV/bin/edge-client" "${check_args[@]}" >&2 || READY=0
+fi
+
 if [ -n "$ROOT" ]; then
     log "staged into $ROOT (systemd untouched)"
 elif [ ! -d /run/systemd/system ]; then
@@ -258,13 +280,21 @@ elif [ ! -d /run/systemd/system ]; then
 elif [ "$START" -eq 1 ]; then
     systemctl daemon-reload
     systemctl enable "$UNIT" >/dev/null
-    if [ -s "$R_CONF/password" ] && [ -e "$DATA" ]; then
+    if [ "$READY" -eq 1 ] && [ -s "$R_CONF/password" ] && [ -e "$DATA" ]; then
         systemctl restart "$UNIT"
         log "$UNIT (re)started; logs: journalctl -u $UNIT -f"
     else
-        log "$UNIT enabled; put the password in $CONFDIR/password and data at $DATA, then systemctl start $UNIT"
+        if [ "$READY" -eq 0 ]; then
+            log "$UNIT enabled, not started: fix what edge-client check reports, check again, then systemctl start $UNIT"
+        else
+            log "$UNIT enabled; put the password in $CONFDIR/password and data at $DATA, then systemctl start $UNIT"
+        fi
     fi
 else
     systemctl daemon-reload
+fi
+if [ "$READY" -eq 0 ]; then
+    echo "$PROG: device $DEVICE_ID is installed but NOT READY: fix what edge-client check reports above" >&2
+    exit 1
 fi
 log "done: device $DEVICE_ID, config $CONFDIR/edge-client.env"

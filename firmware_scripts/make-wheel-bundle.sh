@@ -27,13 +27,16 @@ Usage: $PROG [options]
   --resolver uv|pip     uv (default): resolve for aarch64 markers, then pip download --no-deps the lock;
                         pip: pip download with the explicit pins only (markers evaluated for THIS machine)
   --uv PATH             uv binary (default: uv on PATH, else pip-installed into a temporary venv)
+  --known-bad           accept torch 2.10 and onnxruntime 1.21.0, which die with SIGILL on a Pi 4, overriding
+                        edgefl's own pins (uv --override): only to build the negative control of qemu-smoke.sh,
+                        which must fail on such a bundle, naming the wheel. install-edge-client.sh refuses it.
   --dry-run             print the commands, run nothing
   -h, --help            this text
 The bundle holds the wheels, requirements.lock (what was resolved) and constraints.txt (used by the installer).
 EOF
 }
 
-OUT=wheels-aarch64 PROJECT=$(dirname "$HERE") PY=python3 PYVER=3.11 RESOLVER=uv UV="" DRY=0
+OUT=wheels-aarch64 PROJECT=$(dirname "$HERE") PY=python3 PYVER=3.11 RESOLVER=uv UV="" DRY=0 KNOWN_BAD=0
 TORCH="torch==2.9.1" ORT="onnxruntime>=1.21.1" NUMPY="numpy<2.5"
 need_arg() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ "$#" -gt 0 ]; do
@@ -47,6 +50,7 @@ while [ "$#" -gt 0 ]; do
         --numpy) need_arg "$@"; NUMPY=$2; shift 2 ;;
         --resolver) need_arg "$@"; RESOLVER=$2; shift 2 ;;
         --uv) need_arg "$@"; UV=$2; shift 2 ;;
+        --known-bad) KNOWN_BAD=1; shift ;;
         --dry-run) DRY=1; shift ;;
         -h | --help) usage; exit 0 ;;
         *) usage >&2; die "unknown option: $1" ;;
@@ -56,11 +60,16 @@ done
 [[ $TORCH == torch* ]] || die "--torch must be a torch requirement, got '$TORCH'"
 [[ $ORT == onnxruntime* ]] || die "--onnxruntime must be an onnxruntime requirement, got '$ORT'"
 [[ $NUMPY == numpy* ]] || die "--numpy must be a numpy requirement, got '$NUMPY'"
-if [[ $TORCH =~ ^torch[[:space:]]*==[[:space:]]*2\.([0-9]+) ]] && [ "${BASH_REMATCH[1]}" -ge 10 ]; then
-    die "$TORCH: torch 2.10 dies with SIGILL on a Raspberry Pi 4 and >= 2.11 on aarch64 is a CUDA build"
+if [[ $TORCH =~ ^torch[[:space:]]*==[[:space:]]*2\.([0-9]+) ]]; then
+    minor=${BASH_REMATCH[1]}
+    if [ "$minor" -ge 11 ] || { [ "$minor" -eq 10 ] && [ "$KNOWN_BAD" -eq 0 ]; }; then
+        die "$TORCH: torch 2.10 dies with SIGILL on a Raspberry Pi 4 and >= 2.11 on aarch64 is a CUDA build"
+    fi
 fi
-[ "$ORT" != "onnxruntime==1.21.0" ] || die "onnxruntime 1.21.0 dies with SIGILL on a Raspberry Pi 4"
+[ "$ORT" != "onnxruntime==1.21.0" ] || [ "$KNOWN_BAD" -eq 1 ] ||
+    die "onnxruntime 1.21.0 dies with SIGILL on a Raspberry Pi 4"
 case "$RESOLVER" in uv | pip) ;; *) die "--resolver must be uv or pip" ;; esac
+[ "$KNOWN_BAD" -eq 0 ] || [ "$RESOLVER" = uv ] || die "--known-bad needs --resolver uv (it overrides edgefl's pins)"
 [ -f "$PROJECT/pyproject.toml" ] || die "--project $PROJECT has no pyproject.toml"
 CPTAG=cp${PYVER/./}
 PLATFORM_ARGS=(--platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux_2_28_aarch64)
@@ -109,8 +118,14 @@ if [ "$RESOLVER" = uv ]; then
     else
         log "would write $OUT/requirements.in: $TORCH, $ORT, $NUMPY, edgefl @ file://$WHEEL"
     fi
+    overrides=()
+    if [ "$KNOWN_BAD" -eq 1 ]; then # edgefl's metadata excludes these pins: override it for the negative control
+        [ "$DRY" -eq 1 ] || printf '%s\n' "$TORCH" "$ORT" >"$OUT/overrides.txt"
+        overrides=(--override "$OUT/overrides.txt")
+    fi
     run "$UV" pip compile --quiet --no-header --no-annotate --python-platform aarch64-manylinux_2_28 \
-        --python-version "$PYVER" --only-binary :all: -o "$OUT/requirements.lock" "$OUT/requirements.in"
+        --python-version "$PYVER" --only-binary :all: "${overrides[@]}" -o "$OUT/requirements.lock" \
+        "$OUT/requirements.in"
     if [ "$DRY" -eq 0 ]; then
         grep -v '^edgefl' "$OUT/requirements.lock" | grep -v '^[[:space:]]*#' | sed '/^$/d' >"$OUT/constraints.txt"
     fi
@@ -124,8 +139,10 @@ fi
 
 # 4. check the bundle
 if [ "$DRY" -eq 0 ]; then
-    bad=$(find "$OUT" -maxdepth 1 \( -name 'nvidia_*' -o -name 'triton-*' -o -name 'torch-2.1[0-9]*' \
-        -o -name 'onnxruntime-1.21.0-*' \) -printf '%f\n')
+    sigill=(-name 'torch-2.10.*' -o -name 'onnxruntime-1.21.0-*')
+    [ "$KNOWN_BAD" -eq 0 ] || sigill=(-name '')
+    bad=$(find "$OUT" -maxdepth 1 \( -name 'nvidia_*' -o -name 'triton-*' -o -name 'torch-2.1[1-9]*' \
+        -o "${sigill[@]}" \) -printf '%f\n')
     [ -z "$bad" ] || die "the bundle holds wheels that would not run on a Raspberry Pi 4: $bad"
     find "$OUT" -maxdepth 1 -name 'torch-*aarch64*.whl' | grep -q . || die "no aarch64 torch wheel in $OUT"
     log "bundle ready: $OUT ($(find "$OUT" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(du -sh "$OUT" | cut -f1))"

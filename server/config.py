@@ -6,9 +6,9 @@
              deadline_floor_s, threads
 [data]       dataset, partition
 [model]      name plus the model's keyword arguments (default: the data set's model)
-[train]      algorithm, local_steps, batch_size, lr, max_update_norm
-[algorithm.<name>]   that algorithm's hyper-parameters
-[broker]     url, username, password, ca_file, chunk_size, devices
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
+[algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
+[broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
 """
 
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+
+from edge_client.algorithms import contract_of
 
 
 class ConfigError(ValueError):
@@ -53,6 +55,9 @@ class ClientsSection:
     freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
     attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
     attack_sigma: float = 1.7320508  # DRAG: variance 3
+    # a device registering with more training samples is refused: data-size weights come from the registration, so an
+    # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
+    max_samples: int = 10_000_000
 
 
 @dataclass
@@ -67,6 +72,9 @@ class TrainSection:
     local_steps: int = 50
     batch_size: int = 64
     lr: float = 0.1
+    # the local optimiser of every algorithm: SGD, with momentum and weight decay when set (FedUmf's paper: 0.5, 5e-4)
+    momentum: float = 0.0
+    weight_decay: float = 0.0
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = 1e4
@@ -79,6 +87,9 @@ class BrokerSection:
     password: str = ""  # empty: the EDGEFL_PASSWORD environment variable
     ca_file: str = ""
     chunk_size: int = 1 << 20
+    # Bytes: the broker's packet limit when it advertises none (ejabberd: its listener's max_payload_size; also
+    # passed to simulated clients). 0: the limit the broker advertises (mosquitto does).
+    max_packet_size: int = 0
     devices: list[str] = field(default_factory=list)  # device ids to create credentials for (own broker only)
 
 
@@ -121,17 +132,35 @@ class RunConfig:
             ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
             ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
             ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
+            ("clients.max_samples", self.clients.max_samples >= 1, "an integer >= 1"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
             ("train.batch_size", self.train.batch_size >= 1, "an integer >= 1"),
             ("train.lr", self.train.lr > 0, "a number > 0"),
+            ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
+            ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
+            (
+                "broker.max_packet_size",
+                self.broker.max_packet_size == 0 or self.broker.max_packet_size >= 4096,
+                "bytes >= 4096, or 0 to use the limit the broker advertises",
+            ),
         ]
         for key, ok, expected in checks:
             if not ok:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
                 raise ConfigError(f"{key} must be {expected}; got {value!r}")
+        for name, params in {self.train.algorithm: {}, **self.algorithm}.items():
+            try:
+                contract_of(name).resolve(params)
+            except ValueError as exc:  # the contract's own message: <algorithm>.<key> = value: expected ...
+                where = (
+                    "train.algorithm"
+                    if name == self.train.algorithm and name not in self.algorithm
+                    else (f"[algorithm.{name}]")
+                )
+                raise ConfigError(f"{where}: {exc}") from None
         return self
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,21 +24,20 @@ from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge_client.protocol import Update
+from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.flat import FlatModel
+from edge_client.protocol import Assignment, Update
+from edge_client.trainer import TrainResult, plan_for, train_local
 from edge_client.transport import LinkConfig
+from server.admission import Admission, RoundState
+from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
-from server.config import RunConfig, from_dict
-from server.evaluation import Evaluator
+from server.config import RunConfig, TrainSection, from_dict
 from server.experiments.datasets import load_dataset
-from server.experiments.simulate import (
-    ClientLogin,
-    client_ids,
-    prepare_shards,
-    split_clients,
-    start_clients,
-    stop_clients,
-)
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
 from server.orchestrator import Orchestrator
+from server.strategies import Strategy
 
 CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]
@@ -106,6 +106,22 @@ def connect_client(
         client.disconnect()
         raise ConnectionRefusedError(f"{username!r} refused: {reason if ok else 'no CONNACK in time'}")
     return client
+
+
+def throwaway_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed EC certificate for 127.0.0.1 and its key, valid one day: the CA file of its own TLS listener."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        if in_ci():
+            pytest.fail("openssl is needed to make a test certificate (bash scripts/setup.sh installs it)")
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = directory / "server.crt", directory / "server.key"
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key)]
+    subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [openssl, "req", "-x509", *new_key, "-days", "1", "-out", str(cert), *subject], check=True, capture_output=True
+    )
+    return cert, key
 
 
 @pytest.fixture
@@ -182,13 +198,16 @@ def make_config(
     algorithm_params: dict[str, Any] | None = None,
     partition: str = "iid",
     dataset: str = "digits",
+    model: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
     return from_dict(
         {
+            **({"model": model} if model else {}),
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
-            "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
+            # register_timeout_s is a ceiling: a loaded machine takes over a minute to start 20 client processes
+            "clients": {"count": clients, "register_timeout_s": 180.0, **clients_section},
             "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
@@ -196,47 +215,77 @@ def make_config(
     )
 
 
+#: A client's broker URL and password, by client id: where a federation's clients log in.
+ClientBroker = Callable[[str], tuple[str, str]]
+
+
+def start_federation(
+    tmp_path: Path,
+    link: LinkConfig,
+    client_broker: ClientBroker,
+    job: str,
+    clients: int = 3,
+    rounds: int = 3,
+    dataset: str = "digits",
+    **settings: Any,
+) -> tuple[Orchestrator, dict[str, subprocess.Popen]]:
+    """Start client processes client-00.. (each on the broker ``client_broker`` names) and build the server on ``link``.
+
+    ``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section; ``dataset``: a
+    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote.
+    """
+    config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
+    config.broker.max_packet_size = link.max_packet_size or 0
+    bundle = load_dataset(dataset, seed=0)
+    out = Path(config.run.out)
+    bundle, root = split_clients(config, bundle)
+    shards, _ = prepare_shards(bundle, client_ids(clients), config.data.partition, 0, out / "shards")
+    urls, logins = {}, {}
+    for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
+        urls[cid], password = client_broker(cid)
+        logins[cid] = ClientLogin(cid, password)
+    procs = start_clients(config, urls, logins, shards, out)
+    return make_orchestrator(config, bundle, out, link_config=link, root=root), procs
+
+
+def end_federation(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """Stop the client processes (a test may have stopped one: let it die normally); their exit codes."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    return stop_clients(procs, timeout=20)
+
+
+def run_to_end(orch: Orchestrator, procs: dict[str, subprocess.Popen]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run the server to its last round and stop the clients; the summary and the metrics rows.
+
+    Every client must have exited with 0, i.e. on the server's stop message, which crossed whatever brokers lie between.
+    """
+    try:
+        summary = orch.run()
+    finally:
+        codes = end_federation(procs)
+    assert codes == dict.fromkeys(procs, 0), f"client exit codes {codes}: not every client stopped on the stop message"
+    return summary, [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture
 def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[Orchestrator, dict]]]:
-    """Start client processes c0..c{n-1} on the session broker and build the server for them."""
+    """``build(job, clients=3, rounds=3, ...)``: client processes on the session broker and the server for them."""
     started: list[dict[str, subprocess.Popen]] = []
 
-    def build(
-        job: str, clients: int = 3, rounds: int = 3, dataset: str = "digits", **settings: Any
-    ) -> tuple[Orchestrator, dict]:
-        """``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section.
+    def on_session_broker(cid: str) -> tuple[str, str]:
+        return broker.url, (broker.devices.get(cid) or broker.add_device(cid)).password
 
-        ``dataset``: a built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote.
-        """
-        config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
-        bundle = load_dataset(dataset, seed=0)
-        out = Path(config.run.out)
-        bundle, root = split_clients(config, bundle)
-        shards, _ = prepare_shards(bundle, client_ids(clients), config.data.partition, 0, out / "shards")
-        logins = {}
-        for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
-            creds = broker.devices.get(cid) or broker.add_device(cid)
-            logins[cid] = ClientLogin(cid, creds.password)
-        procs = start_clients(config, broker.url, logins, shards, out)
-        started.append(procs)
+    def build(job: str, clients: int = 3, rounds: int = 3, **settings: Any) -> tuple[Orchestrator, dict]:
         link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-        orch = Orchestrator(
-            config,
-            link,
-            Evaluator(bundle.model, bundle.test),
-            bundle.model,
-            out,
-            summary_extra={"dataset": dataset},
-            root=root,
-        )
+        orch, procs = start_federation(tmp_path, link, on_session_broker, job, clients, rounds, **settings)
+        started.append(procs)
         return orch, procs
 
     yield build
     for procs in started:
-        for proc in procs.values():  # a test may have stopped one: let it die normally
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-        stop_clients(procs, timeout=20)
+        end_federation(procs)
 
 
 # ------------------------------------------------------------------------------------------------- benchmarks
@@ -260,3 +309,25 @@ def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_step
         local_steps=local_steps,
         **{**base, **fields},
     )
+
+
+def train_assignment(
+    flat: FlatModel, dataset: ArrayDataset, sampler: BatchSampler, assignment: Assignment, algorithm: ClientAlgorithm
+) -> TrainResult:
+    """Train on ``assignment`` from its weights as a device does: its plan checked against the contract first."""
+    assert assignment.weights is not None, "the assignment needs the weights to start from"
+    plan = plan_for(assignment, algorithm, flat.size)
+    return train_local(flat, assignment.weights, dataset, sampler, plan, algorithm)
+
+
+def admit(
+    strategy: Strategy, update: Update, *, registered: int | None = None, assigned_steps: int | None = None
+) -> None:
+    """Judge ``update`` as the orchestrator's admission does in the round it names (its client selected, told
+    ``assigned_steps``, registered with ``registered`` samples; both default to what the update claims); raises the
+    ProtocolError that rejects it."""
+    cid = update.client_id
+    steps = update.local_steps if assigned_steps is None else assigned_steps
+    state = RoundState(update.round, update.model_version, {cid}, assigned_steps={cid: steps})
+    gate = Admission(strategy.contract, strategy.params, strategy.ctx.num_params, TrainSection.max_update_norm)
+    gate.check(cid, update, state, update.num_samples if registered is None else registered, update.run_id)

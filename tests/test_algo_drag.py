@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_update
+from conftest import make_update, train_assignment
 from torch import nn
 
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient
 from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, get_flat, set_flat
 from edge_client.protocol import Assignment, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.drag import Drag
 from server.strategies.drag_br import DragBR
@@ -224,14 +224,14 @@ def test_state_dict_round_trip_through_json() -> None:
 @pytest.mark.parametrize("cls", [DragClient, DragBRClient])
 def test_client_half_is_plain_sgd(cls: type[FedAvgClient]) -> None:
     assert issubclass(cls, FedAvgClient)
-    assert cls.name == {"DragClient": "drag", "DragBRClient": "drag-br"}[cls.__name__]
+    assert cls.contract.name == {"DragClient": "drag", "DragBRClient": "drag-br"}[cls.__name__]
     torch.manual_seed(0)
     flat = FlatModel(nn.Linear(3, 2))
     w0 = flat.numpy()
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
-    a = Assignment(1, 0, 4, 0.2, 4, 60.0, cls.name, {}, w0)
-    res = train_local(flat, data, BatchSampler(10, 4, 5, "c0"), a, cls())
+    a = Assignment(local_steps=4, lr=0.2, batch_size=4, weights=w0, round=1, algorithm=cls.contract.name)
+    res = train_assignment(flat, data, BatchSampler(10, 4, 5, "c0"), a, cls())
 
     manual = nn.Linear(3, 2)
     set_flat(manual, w0)
@@ -284,11 +284,13 @@ def manual_root_reference(w: np.ndarray, root: ArrayDataset, settings: TrainSett
 def test_br_defaults_root_size_and_missing_root() -> None:
     s = DragBR(SETTINGS)
     assert s.name == "drag-br"
-    assert s.params == {"c": 0.1, "angle_approx": "linear_pi_over_2", "root_size": 3000}
-    assert s.root_size() == 3000
-    assert DragBR(SETTINGS, {"root_size": 500}).root_size() == 500
-    with pytest.raises(ValueError, match="root_size"):
-        DragBR(SETTINGS, {"root_size": 0})
+    assert s.params == {"c": 0.1, "angle_approx": "linear_pi_over_2", "root_size": 0}
+    # 0: the paper's 3000 samples where they are at most a tenth of the training set, else a tenth of it
+    assert s.root_size(60000) == s.root_size(30000) == 3000
+    assert s.root_size(14360) == 1436
+    assert DragBR(SETTINGS, {"root_size": 500}).root_size(60000) == 500
+    with pytest.raises(ContractError, match=r"drag-br.root_size = -1: expected an integer >= 0"):
+        DragBR(SETTINGS, {"root_size": -1})
     with pytest.raises(ValueError, match=r"\[algorithm\.drag-br\] root_size"):
         s.setup(ServerContext(dict(SPEC), 43, {}, None))
 

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedacg import FedACGClient
 from edge_client.algorithms.fedprox import FedProxClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedacg import FedACG
 
@@ -36,8 +37,8 @@ def dataset(n: int = 10) -> ArrayDataset:
 
 def run_client(client, weights: np.ndarray, steps: int, params: dict, arrays: dict | None = None):
     data = dataset()
-    a = Assignment(1, 0, steps, LR, BATCH, 60.0, client.name, {}, weights, params=params, arrays=arrays or {})
-    return train_local(FlatModel(tiny_model(seed=99)), data, BatchSampler(len(data), BATCH, 0, "c0"), a, client)
+    a = Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, arrays=arrays or {}, weights=weights)
+    return train_assignment(FlatModel(tiny_model(seed=99)), data, BatchSampler(len(data), BATCH, 0, "c0"), a, client)
 
 
 def autograd_prox_sgd(start: np.ndarray, centre: np.ndarray, steps: int, beta: float) -> np.ndarray:
@@ -67,12 +68,14 @@ def update(cid: str, samples: int, delta: np.ndarray) -> Update:
 
 
 def test_defaults() -> None:
-    assert FedACG.defaults["beta"] == 0.001
-    assert FedACG.defaults["server_momentum"] == 0.85
-    assert FedACG.defaults["weighting"] == "samples"
-    assert FedACG.defaults["mode"] == "original"
+    defaults = make_server().params
+    assert defaults["beta"] == 0.001
+    assert defaults["server_momentum"] == 0.85
+    assert defaults["weighting"] == "samples"
+    assert defaults["mode"] == "original"
     for bad in ({"server_momentum": 1.0}, {"server_momentum": -0.1}, {"beta": -1.0}, {"mode": "other"}):
-        with pytest.raises(ValueError):
+        (key, value), *_ = bad.items()
+        with pytest.raises(ContractError, match=f"fedacg.{key} = {value!r}: expected"):
             make_server(bad)
 
 
@@ -86,13 +89,13 @@ def test_original_mode_momentum_and_lookahead_over_three_rounds() -> None:
     ref_w, ref_m = w.astype(np.float64), np.zeros(D)
     for round_ in (1, 2, 3):
         lookahead = ref_w - lam * ref_m
-        instr = server.instructions(round_, "a")
-        assert instr.params == {"beta": 0.01}
-        assert not instr.arrays
+        told = server.assign(round_, "a")
+        assert told.settings == {"beta": 0.01}
+        assert not told.arrays
         if round_ == 1:
-            assert instr.weights is None  # m_0 = 0: the look-ahead is w_0, the global model itself
+            assert told.weights is None  # m_0 = 0: the look-ahead is w_0, the global model itself
         else:
-            np.testing.assert_allclose(instr.weights, lookahead, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(told.weights, lookahead, rtol=0, atol=1e-5)
         deltas = {k: rng.normal(size=D) for k in samples}
         mean = (samples["a"] * deltas["a"] + samples["b"] * deltas["b"]) / 4
         ref_m = lam * ref_m + mean
@@ -122,12 +125,12 @@ def test_taco_literal_mode(include_k: bool) -> None:
     ref_w, ref_m = w.astype(np.float64), np.zeros(D)
     factor = 1 if include_k else K  # line 22 without its 1/K, with eta_g = K eta_l
     for round_ in (1, 2, 3):
-        instr = server.instructions(round_, "b")
-        assert instr.weights is None  # clients start from w_t (line 4)
+        told = server.assign(round_, "b")
+        assert told.weights is None  # clients start from w_t (line 4)
         if round_ == 1:
-            assert not instr.arrays
+            assert not told.arrays
         else:
-            np.testing.assert_allclose(instr.arrays["centre"], ref_w - lam * ref_m, atol=1e-5)
+            np.testing.assert_allclose(told.arrays["centre"], ref_w - lam * ref_m, atol=1e-5)
         deltas = {k: rng.normal(size=D) for k in ("a", "b")}
         mean = (deltas["a"] + 3 * deltas["b"]) / 4
         ref_w = ref_w - factor * mean - lam * ref_m
@@ -150,15 +153,15 @@ def test_client_with_an_explicit_centre() -> None:
     np.testing.assert_allclose(start - result.delta, autograd_prox_sgd(start, centre, 6, 0.8), atol=1e-5)
     # a prox around the start would give another model: the centre was really used
     assert np.abs(autograd_prox_sgd(start, start, 6, 0.8) - (start - result.delta)).max() > 1e-3
-    with pytest.raises(ValueError, match="beta"):
+    with pytest.raises(ContractError, match=r"fedacg.beta: missing from the assignment"):
         run_client(FedACGClient(), start, 2, {})
 
 
 def test_round_one_is_fedprox_with_zeta_beta() -> None:
     start = flat_of(tiny_model(seed=4))
     server = make_server({"beta": 0.3})
-    instr = server.instructions(1, "a")
-    acg = run_client(FedACGClient(), start if instr.weights is None else instr.weights, K, instr.params)
+    told = server.assign(1, "a")
+    acg = run_client(FedACGClient(), start if told.weights is None else told.weights, K, told.settings)
     prox = run_client(FedProxClient(), start, K, {"zeta": 0.3})
     np.testing.assert_array_equal(acg.delta, prox.delta)
 
@@ -168,10 +171,10 @@ def test_end_to_end_two_rounds_clients_start_from_the_lookahead() -> None:
     w = flat_of(tiny_model(seed=5))
     ref_w, ref_m = w.astype(np.float64), np.zeros(D)
     for round_ in (1, 2):
-        instr = server.instructions(round_, "a")
-        sent = w if instr.weights is None else instr.weights
+        told = server.assign(round_, "a")
+        sent = w if told.weights is None else told.weights
         np.testing.assert_allclose(sent, ref_w - 0.85 * ref_m, atol=1e-5)
-        r = run_client(FedACGClient(), sent, K, instr.params)
+        r = run_client(FedACGClient(), sent, K, told.settings)
         np.testing.assert_allclose(sent - r.delta, autograd_prox_sgd(sent, sent, K, 0.1), atol=1e-5)
         ref_m = 0.85 * ref_m + r.delta
         ref_w = ref_w - ref_m
@@ -187,7 +190,7 @@ def test_state_round_trip() -> None:
     w = server.aggregate(1, w, [update("a", 1, rng.normal(size=D))])
     other = make_server()
     other.load_state_dict(server.state_dict())
-    np.testing.assert_array_equal(other.instructions(2, "a").weights, server.instructions(2, "a").weights)
+    np.testing.assert_array_equal(other.assign(2, "a").weights, server.assign(2, "a").weights)
     d = rng.normal(size=D)
     np.testing.assert_array_equal(
         other.aggregate(2, w, [update("a", 1, d)]), server.aggregate(2, w, [update("a", 1, d)])

@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_update
+from conftest import admit, make_update, train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fednova import FedNovaClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import set_flat
-from edge_client.protocol import Assignment, InvalidField, Update
-from edge_client.trainer import train_local
+from edge_client.protocol import Assignment, Update
+from server.admission import WrongSteps
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.fednova import FedNova
@@ -41,9 +42,9 @@ def test_defaults_and_validation() -> None:
     assert s.name == "fednova"
     assert s.params == {"epochs": 1.0, "local_steps_mode": "epochs"}
     assert FedNova(SETTINGS, {"epochs": 2}).params["epochs"] == 2.0
-    with pytest.raises(ValueError, match="epochs"):
+    with pytest.raises(ContractError, match=r"fednova.epochs = 0.0: expected a number > 0"):
         FedNova(SETTINGS, {"epochs": 0.0})
-    with pytest.raises(ValueError, match="local_steps_mode"):
+    with pytest.raises(ContractError, match=r"fednova.local_steps_mode = 'adaptive': expected one of"):
         FedNova(SETTINGS, {"local_steps_mode": "adaptive"})
 
 
@@ -70,7 +71,7 @@ def test_partial_participation_renormalises_and_uses_reported_steps() -> None:
     w = rng.normal(size=5).astype(np.float32)
     s = FedNova(SETTINGS)
     s.setup(ServerContext({}, 5, {"a": 40, "b": 100, "c": 20}))
-    assert s.instructions(1, "b").local_steps == 10
+    assert s.assign(1, "b").local_steps == 10
     deltas = [rng.normal(size=5), rng.normal(size=5)]
     updates = [upd("a", deltas[0], 40, 4), upd("b", deltas[1], 100, 7)]  # b stopped after 7 of 10
     out = s.aggregate(1, w, updates)
@@ -101,30 +102,31 @@ def test_per_client_tau_from_dataset_size(epochs: float, expected: dict[str, int
     s = FedNova(SETTINGS, {"epochs": epochs})
     s.setup(ServerContext({}, 3, {"a": 100, "b": 35, "c": 5, "d": 0}))
     for cid, tau in expected.items():
-        instr = s.instructions(1, cid)
-        assert instr.local_steps == tau, cid
-        assert (instr.lr, instr.batch_size) == (SETTINGS.lr, SETTINGS.batch_size)
+        told = s.assign(1, cid)
+        assert told.local_steps == tau, cid
+        assert (told.lr, told.batch_size) == (SETTINGS.lr, SETTINGS.batch_size)
 
 
 def test_floor_tolerates_float_rounding() -> None:
     """0.29 * 100 / 1 = 28.999999999999996 in floating point; E D_i / B = 29 exactly must give 29 steps."""
     s = FedNova(TrainSettings(local_steps=5, lr=0.1, batch_size=1), {"epochs": 0.29})
     s.setup(ServerContext({}, 3, {"a": 100}))
-    assert s.instructions(1, "a").local_steps == 29
+    assert s.assign(1, "a").local_steps == 29
 
 
 def test_fixed_mode_gives_everyone_the_run_default() -> None:
     s = FedNova(SETTINGS, {"local_steps_mode": "fixed"})
     s.setup(ServerContext({}, 3, {"a": 100, "b": 3}))
-    assert [s.instructions(1, c).local_steps for c in ("a", "b")] == [5, 5]
+    assert [s.assign(1, c).local_steps for c in ("a", "b")] == [5, 5]
 
 
 def test_rejects_update_without_steps() -> None:
     s = FedNova(SETTINGS)
     s.setup(ServerContext({}, 3, {"a": 10}))
-    s.check_update(upd("a", np.zeros(3), 10, 1))
-    with pytest.raises(InvalidField, match="local_steps"):
-        s.check_update(upd("a", np.zeros(3), 10, 0))
+    told = s.assign(1, "a").local_steps
+    admit(s, upd("a", np.zeros(3), 10, 1), assigned_steps=told)
+    with pytest.raises(WrongSteps, match="claims 0 local steps"):
+        admit(s, upd("a", np.zeros(3), 10, 0), assigned_steps=told)
 
 
 def test_stateless_round_trip() -> None:
@@ -136,15 +138,15 @@ def test_stateless_round_trip() -> None:
 def test_client_delta_over_lr_tau_is_mean_local_gradient() -> None:
     """The client half is FedAvg under the name fednova; for plain SGD delta/(lr tau) = (1/tau) sum of gradients
     (2.10 (a)), recomputed here with autograd on a separate model."""
-    assert issubclass(FedNovaClient, FedAvgClient) and FedNovaClient.name == "fednova"
+    assert issubclass(FedNovaClient, FedAvgClient) and FedNovaClient.contract.name == "fednova"
     torch.manual_seed(0)
     flat = FlatModel(nn.Linear(3, 2))
     w0 = flat.numpy()
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.normal(size=(14, 3)).astype(np.float32), rng.integers(0, 2, size=14))
     tau, lr = 6, 0.1
-    a = Assignment(1, 0, tau, lr, 4, 60.0, "fednova", {}, w0)
-    res = train_local(flat, data, BatchSampler(14, 4, 3, "c1"), a, FedNovaClient())
+    a = Assignment(local_steps=tau, lr=lr, batch_size=4, weights=w0, round=1, algorithm="fednova")
+    res = train_assignment(flat, data, BatchSampler(14, 4, 3, "c1"), a, FedNovaClient())
     assert res.local_steps == tau and res.extras == {} and res.arrays == {}
 
     manual = nn.Linear(3, 2)

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fedprox import FedProxClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedprox import FedProx
 
@@ -35,12 +36,12 @@ def dataset(n: int = 10) -> ArrayDataset:
 
 
 def assignment(weights: np.ndarray, steps: int, params: dict) -> Assignment:
-    return Assignment(1, 0, steps, LR, BATCH, 60.0, "fedprox", {}, weights, params=params)
+    return Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, weights=weights, round=1)
 
 
 def run_client(client, start: np.ndarray, steps: int, params: dict, cid: str = "c0"):
     data = dataset()
-    return train_local(
+    return train_assignment(
         FlatModel(tiny_model(seed=99)),
         data,
         BatchSampler(len(data), BATCH, 0, cid),
@@ -101,9 +102,9 @@ def test_client_keeps_no_state_and_needs_zeta() -> None:
     run_client(client, flat_of(tiny_model()), steps=2, params={"zeta": 0.1})
     assert client.state_dict() == {}
     assert client._scaled_centre is None  # the round's copy of zeta * w_t is dropped
-    with pytest.raises(ValueError, match="zeta"):
+    with pytest.raises(ContractError, match=r"fedprox.zeta: missing from the assignment"):
         run_client(FedProxClient(), flat_of(tiny_model()), steps=2, params={})
-    with pytest.raises(ValueError, match="zeta"):
+    with pytest.raises(ContractError, match=r"fedprox.zeta = -1.0: expected a number >= 0"):
         run_client(FedProxClient(), flat_of(tiny_model()), steps=2, params={"zeta": -1.0})
 
 
@@ -118,19 +119,15 @@ def update(cid: str, samples: int, delta: list[float]) -> Update:
 
 
 def test_server_sends_zeta_per_client() -> None:
-    assert FedProx.defaults["zeta"] == 0.1
-    assert make_server().instructions(1, "a").params == {"zeta": 0.1}
-    assert make_server({"zeta": 0.01}).instructions(3, "b").params == {"zeta": 0.01}
-
-    class Tailored(FedProx):
-        def zeta_for(self, client_id: str) -> float:
-            return 0.5 if client_id == "a" else 0.25
-
-    server = make_server(cls=Tailored)
-    assert server.instructions(1, "a").params["zeta"] == 0.5
-    assert server.instructions(1, "b").params["zeta"] == 0.25
-    for bad in ({"zeta": -0.1}, {"zeta": float("nan")}, {"mu": 0.1}):
-        with pytest.raises(ValueError):
+    assert FedProx.contract.setting("zeta").default == 0.1
+    assert make_server().assign(1, "a").settings == {"zeta": 0.1}
+    assert make_server({"zeta": 0.01}).assign(3, "b").settings == {"zeta": 0.01}
+    for bad, words in (
+        ({"zeta": -0.1}, "fedprox.zeta = -0.1: expected a number >= 0"),
+        ({"zeta": float("nan")}, "fedprox.zeta = nan: expected a number >= 0"),
+        ({"mu": 0.1}, "fedprox.mu: not a setting of fedprox"),
+    ):
+        with pytest.raises(ContractError, match=words):
             make_server(bad)
 
 
@@ -147,7 +144,7 @@ def test_server_aggregates_like_fedavg(weighting: str) -> None:
 
 def test_server_instructions_drive_the_client() -> None:
     server = make_server({"zeta": 0.7})
-    instr = server.instructions(1, "a")
+    told = server.assign(1, "a")
     start = flat_of(tiny_model(seed=3))
-    result = run_client(FedProxClient(), start, steps=4, params=instr.params)
+    result = run_client(FedProxClient(), start, steps=4, params=told.settings)
     np.testing.assert_allclose(start - result.delta, autograd_prox_sgd(start, 4, 0.7), atol=1e-5)

@@ -7,19 +7,20 @@ from the (possibly fused) start point, the server average in plain numpy.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_update
+from conftest import make_update, train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedumf import FedUmfClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedumf import FedUmf
 
@@ -83,14 +84,14 @@ class Device:
             local_steps=steps,
             lr=lr,
             batch_size=4,
-            deadline_s=60.0,
             algorithm="fedumf",
-            model={},
             weights=w,
-            params={"alpha": alpha, "lr": lr, "lr_prev": lr_prev, "momentum": MOMENTUM, "weight_decay": WD},
+            settings={"alpha": alpha, "lr_prev": lr_prev},
+            momentum=MOMENTUM,
+            weight_decay=WD,
             upload=upload,
         )
-        result = train_local(self.flat, self.data, self.sampler, a, self.client)
+        result = train_assignment(self.flat, self.data, self.sampler, a, self.client)
         return result.delta, self.batches(steps)
 
 
@@ -194,7 +195,8 @@ def test_stored_update_survives_a_client_restart(tmp_path) -> None:  # type: ign
 
 
 def strategy(fraction: float = 0.3, lr: float = 0.1, seed: int = 0, **params: object) -> FedUmf:
-    s = FedUmf(TrainSettings(local_steps=5, lr=lr, batch_size=50, fraction=fraction), dict(params), seed=seed)
+    settings = TrainSettings(5, lr, 50, fraction, momentum=MOMENTUM, weight_decay=WD)  # the paper's optimiser
+    s = FedUmf(settings, dict(params), seed=seed)
     s.setup(ServerContext(model_spec={}, num_params=4, clients={}))
     return s
 
@@ -219,23 +221,22 @@ def test_selection_is_random_over_rounds() -> None:
     assert set().union(*picks) == set(available)
 
 
-def test_instructions_carry_fusion_and_optimiser_parameters_with_the_lr_schedule() -> None:
+def test_assignments_carry_fusion_and_optimiser_parameters_with_the_lr_schedule() -> None:
     s = strategy(lr=0.1, alpha=0.5, lr_decay=0.9)
-    one, three = s.instructions(1, "c0"), s.instructions(3, "c0")
-    assert one.lr == pytest.approx(0.1) and one.params["lr_prev"] == pytest.approx(0.1)
-    assert three.lr == pytest.approx(0.1 * 0.9**2)
-    assert three.params["lr"] == pytest.approx(0.1 * 0.9**2) and three.params["lr_prev"] == pytest.approx(0.09)
-    assert three.params["alpha"] == 0.5
-    assert three.params["momentum"] == 0.5 and three.params["weight_decay"] == 5e-4
+    one, three = s.assign(1, "c0"), s.assign(3, "c0")
+    assert one.lr == pytest.approx(0.1) and one.settings["lr_prev"] == pytest.approx(0.1)
+    assert three.lr == pytest.approx(0.1 * 0.9**2) and three.settings["lr_prev"] == pytest.approx(0.09)
+    assert three.settings == {"alpha": 0.5, "lr_prev": pytest.approx(0.09)}
+    assert three.momentum == 0.5 and three.weight_decay == 5e-4  # the run's optimiser (train.momentum/weight_decay)
     assert three.local_steps == 5  # local_unit "steps": the run's local_steps
 
 
 def test_epochs_unit_gives_ceil_samples_over_batch_times_epochs() -> None:
     s = strategy(local_unit="epochs", epochs=2)
     s.ctx.clients.update({"a": 130, "b": 100})
-    assert s.instructions(1, "a").local_steps == math.ceil(130 / 50) * 2
-    assert s.instructions(1, "b").local_steps == 2 * 2
-    assert s.instructions(1, "unknown").local_steps == 5
+    assert s.assign(1, "a").local_steps == math.ceil(130 / 50) * 2
+    assert s.assign(1, "b").local_steps == 2 * 2
+    assert s.assign(1, "unknown").local_steps == 5
 
 
 def update(cid: str, delta: np.ndarray, samples: int) -> Update:
@@ -256,8 +257,9 @@ def test_aggregation_is_the_weighted_mean_of_uploaded_models(weighting: str) -> 
 
 
 def test_default_weighting_is_samples() -> None:
-    assert FedUmf.defaults["weighting"] == "samples" and FedUmf.defaults["local_unit"] == "steps"
-    assert FedUmf.defaults["alpha"] == 1.0 and FedUmf.defaults["lr_decay"] == 1.0
+    defaults = strategy().params
+    assert defaults["weighting"] == "samples" and defaults["local_unit"] == "steps"
+    assert defaults["alpha"] == 1.0 and defaults["lr_decay"] == 1.0
 
 
 def test_state_round_trip_through_json() -> None:
@@ -269,9 +271,17 @@ def test_state_round_trip_through_json() -> None:
     assert fresh.round_metrics() == s.round_metrics()
 
 
-@pytest.mark.parametrize("bad", [{"alpha": 1.5}, {"lr_decay": 0.0}, {"momentum": 1.0}, {"local_unit": "batches"}])
-def test_invalid_parameters_are_rejected(bad: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"alpha": 1.5}, r"fedumf.alpha = 1.5: expected a number in \[0, 1\]"),
+        ({"lr_decay": 0.0}, r"fedumf.lr_decay = 0.0: expected a number > 0"),
+        ({"momentum": 0.5}, "fedumf.momentum: not a setting of fedumf"),  # the run's train.momentum now
+        ({"local_unit": "batches"}, "fedumf.local_unit = 'batches': expected one of 'steps', 'epochs'"),
+    ],
+)
+def test_invalid_parameters_are_rejected(bad: dict[str, object], message: str) -> None:
+    with pytest.raises(ContractError, match=message):
         strategy(**bad)
 
 
@@ -286,22 +296,10 @@ def test_in_process_rounds_fuse_exactly_the_newly_selected_clients() -> None:
         selected = s.select(t, available)
         updates = []
         for cid in [*selected, *s.train_only(t, available, selected)]:
-            instr = s.instructions(t, cid)
-            a = Assignment(
-                round=t,
-                model_version=t - 1,
-                local_steps=instr.local_steps,
-                lr=instr.lr,
-                batch_size=instr.batch_size,
-                deadline_s=60.0,
-                algorithm="fedumf",
-                model={},
-                weights=w,
-                params=instr.params,
-                upload=cid in selected,
-            )
+            told = s.assign(t, cid)  # completed as the orchestrator does
+            a = replace(told, round=t, model_version=t - 1, algorithm="fedumf", weights=w, upload=cid in selected)
             dev = devices[cid]
-            result = train_local(dev.flat, dev.data, dev.sampler, a, dev.client)
+            result = train_assignment(dev.flat, dev.data, dev.sampler, a, dev.client)
             should_fuse = cid in selected and cid not in previous and t > 1
             assert (dev.client.fused_coefficient > 0) == should_fuse, (t, cid)
             if should_fuse:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.foolsgold import FoolsGoldClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.foolsgold import FoolsGold
 
@@ -52,14 +53,15 @@ HONEST = [[1.0, 0.5, 0.0, -0.2], [0.8, 0.7, 0.1, 0.0], [1.2, 0.2, -0.1, -0.3]]
 
 
 def test_defaults() -> None:
-    assert FoolsGold.defaults == {
+    assert make_server().params == {
         "clip_negative": True,
         "reference": "current_mean",
         "extra_1_over_N": False,
         "fixed_point_iters": 1,
     }
     for bad in ({"reference": "median"}, {"fixed_point_iters": 0}, {"clip_negative": 1}):
-        with pytest.raises(ValueError):
+        (key, value), *_ = bad.items()
+        with pytest.raises(ContractError, match=f"foolsgold.{key} = {value!r}: expected"):
             make_server(bad)
 
 
@@ -149,7 +151,7 @@ def test_literal_extra_one_over_n() -> None:
 
 
 def test_client_is_fedavg() -> None:
-    assert FoolsGoldClient.name == "foolsgold"
+    assert FoolsGoldClient.contract.name == "foolsgold"
     assert issubclass(FoolsGoldClient, FedAvgClient)
     torch.manual_seed(0)
     start = np.concatenate([p.detach().reshape(-1).numpy() for p in nn.Linear(3, 2).parameters()])
@@ -157,8 +159,8 @@ def test_client_is_fedavg() -> None:
     data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
     results = []
     for client in (FoolsGoldClient(), FedAvgClient()):
-        a = Assignment(1, 0, 4, 0.1, 4, 60.0, client.name, {}, start)
-        results.append(train_local(FlatModel(nn.Linear(3, 2)), data, BatchSampler(10, 4, 0, "c0"), a, client))
+        a = Assignment(local_steps=4, lr=0.1, batch_size=4, weights=start, round=1, algorithm=client.name)
+        results.append(train_assignment(FlatModel(nn.Linear(3, 2)), data, BatchSampler(10, 4, 0, "c0"), a, client))
         assert client.state_dict() == {}
     np.testing.assert_array_equal(results[0].delta, results[1].delta)
     assert results[0].arrays == {} and results[0].extras == {}

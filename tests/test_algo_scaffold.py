@@ -6,15 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import admit, train_assignment
 from torch import nn
 
 from edge_client.algorithms.base import LocalContext
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.scaffold import ScaffoldClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, InvalidField, MissingField, ShapeMismatch, Update
-from edge_client.trainer import train_local
+from edge_client.protocol import Assignment, MissingField, NonFiniteValues, ShapeMismatch, Update
+from edge_client.trainer import plan_for
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.scaffold import Scaffold
@@ -41,8 +43,8 @@ def assignment(
 ) -> Assignment:
     """``params``: e.g. ``last_aggregated`` as the server sends it (absent: the client commits c_i at once)."""
     return Assignment(
-        round_, 0, steps, LR, BATCH, 60.0, "scaffold", {}, weights, params={"alpha": alpha, **params},
-        arrays={"c": c.copy()},
+        local_steps=steps, lr=LR, batch_size=BATCH, settings={"alpha": alpha, **params}, arrays={"c": c.copy()},
+        weights=weights, round=round_,
     )  # fmt: skip
 
 
@@ -50,7 +52,9 @@ def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: floa
     data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
     sampler = BatchSampler(len(data), BATCH, 0, cid)
     task = assignment(start, steps, c, alpha, **kw)
-    return train_local(FlatModel(tiny_model(seed=99)), data, sampler, task, client)
+    if isinstance(client, FedAvgClient):  # the same round for FedAvg, whose contract sends nothing else
+        task.settings, task.arrays = {}, {}
+    return train_assignment(FlatModel(tiny_model(seed=99)), data, sampler, task, client)
 
 
 def manual_sgd(start: np.ndarray, steps: int, constant: np.ndarray, cid: str = "c0") -> np.ndarray:
@@ -97,11 +101,11 @@ def test_alpha_is_read_every_round() -> None:
         client.load_state_dict({"c_i": c_i.copy()})
         result = run_client(client, start, 4, c, alpha)
         np.testing.assert_allclose(start - result.delta, manual_sgd(start, 4, alpha * (c - c_i)), atol=1e-5)
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ContractError, match=r"scaffold.alpha: missing from the assignment"):
         a = assignment(start, 2, c)
-        a.params = {}
+        a.settings = {}
         data = dataset()
-        train_local(FlatModel(tiny_model()), data, BatchSampler(len(data), BATCH, 0, "c0"), a, ScaffoldClient())
+        train_assignment(FlatModel(tiny_model()), data, BatchSampler(len(data), BATCH, 0, "c0"), a, ScaffoldClient())
 
 
 def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int, c: np.ndarray) -> tuple:
@@ -110,7 +114,9 @@ def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int
     flat.load(start)
     data = dataset()
     sampler = BatchSampler(len(data), BATCH, 0, "c0")
-    ctx = LocalContext(flat, flat.params.clone(), assignment(start, told, c), data, sampler)
+    ctx = LocalContext(
+        flat, flat.params.clone(), plan_for(assignment(start, told, c), client, flat.size), data, sampler
+    )
     client.begin_round(ctx)
     for step in range(taken):
         idx = sampler.next()
@@ -157,7 +163,7 @@ def test_round_one_is_fedavg() -> None:
         np.testing.assert_array_equal(s.delta, f.delta)
         results[cid] = s
     server = make_server(["a", "b"])
-    np.testing.assert_array_equal(server.instructions(1, "a").arrays["c"], zeros)
+    np.testing.assert_array_equal(server.assign(1, "a").arrays["c"], zeros)
     fedavg = FedAvg(TrainSettings(5, LR, BATCH))
     ups = [update(cid, r.delta, r.arrays["delta_c"]) for cid, r in results.items()]
     np.testing.assert_array_equal(server.aggregate(1, start, ups), fedavg.aggregate(1, start, ups))
@@ -176,16 +182,17 @@ def update(cid: str, delta: np.ndarray, delta_c: np.ndarray | None, samples: int
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_server_c_update_divides_by_all_registered_clients(weighting: str) -> None:
+    """``c_mean_over = "registered"``: 2.4 (b)'s rule, N = every registered client."""
     rng = np.random.default_rng(3)
     samples = {"a": 2, "b": 6, "c": 1, "d": 1}
-    server = make_server(list(samples), {"weighting": weighting}, samples)
+    server = make_server(list(samples), {"weighting": weighting, "c_mean_over": "registered"}, samples)
     w = rng.normal(size=D).astype(np.float32)
     c = np.zeros(D)
     for round_ in (1, 2):
         d = {k: rng.normal(size=D) for k in ("a", "b")}  # partial participation: 2 of 4
         dc = {k: rng.normal(size=D) for k in ("a", "b")}
         ups = [update(k, d[k], dc[k], samples[k]) for k in ("a", "b")]
-        sent = server.instructions(round_, "c").arrays["c"]
+        sent = server.assign(round_, "c").arrays["c"]
         np.testing.assert_allclose(sent, c, atol=1e-6)
         p = {"a": 0.5, "b": 0.5} if weighting == "uniform" else {"a": 2 / 8, "b": 6 / 8}
         expected_w = w - (p["a"] * d["a"] + p["b"] * d["b"])
@@ -196,53 +203,52 @@ def test_server_c_update_divides_by_all_registered_clients(weighting: str) -> No
         np.testing.assert_allclose(sent, c - (dc["a"] + dc["b"]) / 4, atol=1e-6)  # handed-out c not mutated
 
 
-def test_server_c_equals_mean_of_all_c_i_under_partial_participation() -> None:
+def mean_c_i(server: Scaffold, clients: dict[str, ScaffoldClient]) -> np.ndarray:
+    """The mean of the c_i ``server.c`` must equal: over the clients aggregated so far (``c_mean_over`` default
+    "contributors"), or over every registered one ("registered", whose c_i is 0 until it contributes)."""
+    over = clients if server.params["c_mean_over"] == "registered" else server.aggregated
+    return np.mean([clients[k].state_dict().get("c_i", np.zeros(D, dtype=np.float32)) for k in over], axis=0)
+
+
+@pytest.mark.parametrize("c_mean_over", ["contributors", "registered"])
+def test_server_c_equals_mean_of_all_c_i_under_partial_participation(c_mean_over: str) -> None:
     ids = ["a", "b", "c"]
     clients = {k: ScaffoldClient() for k in ids}
-    server = make_server(ids)
+    server = make_server(ids, {"c_mean_over": c_mean_over})
     w = flat_of(tiny_model(seed=4))
     for round_, chosen in enumerate((["a", "b"], ["b", "c"], ["a", "c"]), start=1):
         ups = []
         for k in chosen:
-            instr = server.instructions(round_, k)
-            r = run_client(clients[k], w, instr.local_steps, instr.arrays["c"], instr.params["alpha"], cid=k)
+            told = server.assign(round_, k)
+            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], told.settings["alpha"], cid=k)
             ups.append(update(k, r.delta, r.arrays["delta_c"]))
         w = server.aggregate(round_, w, ups)
-        c_i = [clients[k].state_dict().get("c_i", np.zeros(D, dtype=np.float32)) for k in ids]
-        np.testing.assert_allclose(server.c, np.mean(c_i, axis=0), atol=1e-5)
+        np.testing.assert_allclose(server.c, mean_c_i(server, clients), atol=1e-5)
     assert np.abs(server.c).max() > 1e-3
 
 
-def test_server_instructions_and_alpha_hook() -> None:
+def test_server_assignment() -> None:
     server = make_server(["a", "b"])
-    instr = server.instructions(1, "a")
-    assert instr.params == {"alpha": 1.0, "last_aggregated": 0}
-    assert set(instr.arrays) == {"c"} and instr.arrays["c"].shape == (D,)
-    assert Scaffold.required_arrays == ("delta_c",)
-
-    class Tailored(Scaffold):
-        def alpha_for(self, client_id: str) -> float:
-            return 0.3 if client_id == "a" else 0.9
-
-    tailored = Tailored(TrainSettings(5, LR, BATCH))
-    tailored.setup(ServerContext(model_spec={}, num_params=D, clients={"a": 1}))
-    assert tailored.instructions(1, "a").params["alpha"] == 0.3
-    assert tailored.instructions(1, "b").params["alpha"] == 0.9
-    with pytest.raises(ValueError):
+    told = server.assign(1, "a")
+    assert told.settings == {"alpha": 1.0, "last_aggregated": 0}
+    assert set(told.arrays) == {"c"} and told.arrays["c"].shape == (D,)
+    assert [a.name for a in Scaffold.contract.returns] == ["delta_c"]
+    assert make_server(["a"], {"alpha": 0.3}).assign(1, "a").settings["alpha"] == 0.3
+    with pytest.raises(ContractError, match=r"scaffold.weighting = 'median': expected one of 'uniform', 'samples'"):
         Scaffold(TrainSettings(5, LR, BATCH), {"weighting": "median"})
 
 
 def test_server_rejects_updates_without_a_valid_delta_c() -> None:
     server = make_server(["a"])
-    with pytest.raises(MissingField):
-        server.check_update(update("a", np.zeros(D), None))
-    with pytest.raises(ShapeMismatch):
-        server.check_update(update("a", np.zeros(D), np.zeros(D + 1)))
+    with pytest.raises(MissingField, match="delta_c"):
+        admit(server, update("a", np.zeros(D), None))
+    with pytest.raises(ShapeMismatch, match="delta_c"):
+        admit(server, update("a", np.zeros(D), np.zeros(D + 1)))
     bad = np.zeros(D)
     bad[2] = np.nan
-    with pytest.raises(InvalidField):
-        server.check_update(update("a", np.zeros(D), bad))
-    server.check_update(update("a", np.zeros(D), np.zeros(D)))
+    with pytest.raises(NonFiniteValues, match="delta_c"):
+        admit(server, update("a", np.zeros(D), bad))
+    admit(server, update("a", np.zeros(D), np.zeros(D)))
 
 
 def test_state_round_trips() -> None:
@@ -265,7 +271,7 @@ def test_state_round_trips() -> None:
     other = make_server(["a", "b"])
     other.load_state_dict(state)
     np.testing.assert_array_equal(other.c, server.c)
-    np.testing.assert_allclose(other.c, np.full(D, 0.25))
+    np.testing.assert_allclose(other.c, np.full(D, 0.5))  # the mean of its one contributor's c_i
 
 
 def test_c_i_is_committed_only_when_the_server_aggregated_that_round() -> None:
@@ -293,27 +299,27 @@ def test_c_i_is_committed_only_when_the_server_aggregated_that_round() -> None:
         assert int(c_now.state_dict()["pending_round"]) == 3
 
 
-def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost() -> None:
+@pytest.mark.parametrize("c_mean_over", ["contributors", "registered"])
+def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost(c_mean_over: str) -> None:
     """The server's assignments settle each client's pending c_i: updates it never aggregated leave c = mean(c_i)."""
     ids = ["a", "b", "c"]
     clients = {k: ScaffoldClient() for k in ids}
-    server = make_server(ids)
+    server = make_server(ids, {"c_mean_over": c_mean_over})
     w = flat_of(tiny_model(seed=4))
     lost = {1: {"b"}, 2: set(), 3: {"a", "c"}, 4: {"b"}}  # trained and uploaded, never aggregated
     for round_, dropped in lost.items():
         ups = []
         for k in ids:
-            instr = server.instructions(round_, k)
-            r = run_client(clients[k], w, instr.local_steps, instr.arrays["c"], cid=k, round_=round_, **instr.params)
+            told = server.assign(round_, k)
+            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
             if k not in dropped:
                 ups.append(update(k, r.delta, r.arrays["delta_c"]))
         w = server.aggregate(round_, w, ups)
         for k in ids:  # what the next assignment would make of each pending c_i
-            clients[k].settle(server.instructions(round_ + 1, k).params["last_aggregated"])
-        c_i = [clients[k].state_dict().get("c_i", np.zeros(D, dtype=np.float32)) for k in ids]
-        np.testing.assert_allclose(server.c, np.mean(c_i, axis=0), atol=1e-5)
+            clients[k].settle(server.assign(round_ + 1, k).settings["last_aggregated"])
+        np.testing.assert_allclose(server.c, mean_c_i(server, clients), atol=1e-5)
     assert server.aggregated == {"a": 4, "b": 3, "c": 4}
     assert np.abs(server.c).max() > 1e-3
-    restored = make_server(ids)  # the bookkeeping is checkpointed with c
+    restored = make_server(ids, {"c_mean_over": c_mean_over})  # the bookkeeping is checkpointed with c
     restored.load_state_dict(server.state_dict())
     assert restored.aggregated == server.aggregated

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_update
+from conftest import admit, make_update, train_assignment
 from torch import nn
 
 from edge_client.algorithms.stem import StemClient
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, MissingField, Update
-from edge_client.trainer import train_local
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.stem import Stem
 
@@ -31,15 +31,12 @@ def assignment(w: np.ndarray, alpha: float, steps: int = 3, lr: float = 0.1, **e
     arrays = extra.pop("arrays", {})
     return Assignment(
         round=1,
-        model_version=0,
         local_steps=steps,
         lr=lr,
         batch_size=4,
-        deadline_s=60.0,
         algorithm="stem",
-        model={},
         weights=w,
-        params={"alpha": alpha, **extra},
+        settings={"alpha": alpha, "init": "grad", **extra},  # the device holds no defaults: the server sends both
         arrays=arrays,  # type: ignore[arg-type]
     )
 
@@ -86,7 +83,7 @@ def run_client(
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     data = make_dataset()
     sampler, shadow = BatchSampler(len(data), 4, 0, "c0"), BatchSampler(len(data), 4, 0, "c0")
-    result = train_local(flat, data, sampler, assignment(w0, alpha, steps, **extra), client)
+    result = train_assignment(flat, data, sampler, assignment(w0, alpha, steps, **extra), client)
     batches = []
     for _ in range(steps):
         idx = shadow.next()
@@ -141,7 +138,7 @@ def test_second_gradient_leaves_the_models_batchnorm_statistics_alone() -> None:
     flat = FlatModel(module)
     data = make_dataset()
     a = assignment(flat.numpy(), 0.2, steps=4)
-    train_local(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, StemClient())
+    train_assignment(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, StemClient())
     assert int(module[1].num_batches_tracked) == 4  # one forward per step on the real model (C6)
 
 
@@ -167,7 +164,7 @@ def test_server_rule_literal_default() -> None:
     deltas, vs = np.array([[0.1, 0.0, 0.2], [0.3, -0.2, 0.0]]), np.array([[1.0, -1.0, 0.5], [0.0, 2.0, 1.5]])
     expected = W - (deltas.sum(axis=0) + vs.sum(axis=0)) / 2
     np.testing.assert_allclose(strategy().aggregate(1, W, UPS), expected, atol=1e-6)
-    assert Stem.defaults["server_v_coeff"] == 1.0 and Stem.defaults["alpha"] == 0.2
+    assert strategy().params["server_v_coeff"] == 1.0 and strategy().params["alpha"] == 0.2
 
 
 def test_server_rule_with_coefficient_and_sample_weights() -> None:
@@ -178,31 +175,31 @@ def test_server_rule_with_coefficient_and_sample_weights() -> None:
     np.testing.assert_allclose(got, W - mean_delta - 0.05 * mean_v, atol=1e-6)
 
 
-def test_instructions_send_alpha_and_server_avg_sends_v_bar_after_a_round() -> None:
+def test_assignments_send_alpha_and_server_avg_sends_v_bar_after_a_round() -> None:
     s = strategy(alpha=0.1)
-    i = s.instructions(1, "a")
-    assert i.params == {"alpha": 0.1, "init": "grad"} and i.arrays == {}
+    told = s.assign(1, "a")
+    assert told.settings == {"alpha": 0.1, "init": "grad"} and told.arrays == {}
     s.aggregate(1, W, UPS)
-    assert s.instructions(2, "a").arrays == {}  # "grad": no v_bar travels
+    assert s.assign(2, "a").arrays == {}  # "grad": no v_bar travels
 
     s = strategy(init="server_avg")
-    assert s.instructions(1, "a").arrays == {}  # (f)5: nothing to send in round 1
+    assert s.assign(1, "a").arrays == {}  # (f)5: nothing to send in round 1
     s.aggregate(1, W, UPS)
-    np.testing.assert_allclose(s.instructions(2, "a").arrays["v_bar"], [0.5, 0.5, 1.0], atol=1e-7)
+    np.testing.assert_allclose(s.assign(2, "a").arrays["v_bar"], [0.5, 0.5, 1.0], atol=1e-7)
     fresh = strategy(init="server_avg")
     fresh.load_state_dict(s.state_dict())
-    np.testing.assert_allclose(fresh.instructions(2, "a").arrays["v_bar"], [0.5, 0.5, 1.0], atol=1e-7)
+    np.testing.assert_allclose(fresh.assign(2, "a").arrays["v_bar"], [0.5, 0.5, 1.0], atol=1e-7)
 
 
 def test_updates_without_v_are_rejected() -> None:
     s = strategy()
     bad = update("a", [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     bad.arrays = {}
-    with pytest.raises(MissingField):
-        s.check_update(bad)
-    s.check_update(UPS[0])
+    with pytest.raises(MissingField, match=r"stem.v: array missing"):
+        admit(s, bad)
+    admit(s, UPS[0])
 
 
 def test_invalid_alpha_is_rejected() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ContractError, match=r"stem.alpha = 1.5: expected a number in \[0, 1\]"):
         strategy(alpha=1.5)

@@ -6,20 +6,25 @@ Every expected value is computed here from the spec with plain numpy / autograd,
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import train_assignment
 from torch import nn
 
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.taco import TacoClient
-from edge_client.behaviours import Behaviour
+from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
+from edge_client.runtime import TrainFn
+from edge_client.trainer import Plan, TrainResult
+from server.experiments.attacks import freeloader
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.taco import Taco, taco_alphas
 
@@ -153,21 +158,24 @@ def test_without_tailored_aggregation_the_average_is_uniform_and_alphas_still_co
 def test_without_tailored_correction_clients_run_plain_sgd(caplog: pytest.LogCaptureFixture) -> None:
     s = strategy(tailored_correction=False)
     w0 = np.zeros(8, np.float32)
-    s.instructions(1, "a")
+    s.assign(1, "a")
     d = np.linspace(-1, 1, 8).astype(np.float32)
     s.aggregate(1, w0, [upd("a", d), upd("b", -d / 2)])
     for c in ("a", "late"):
-        instr = s.instructions(2, c)
-        assert instr.params["gamma"] == 0.0 and "global_delta" not in instr.arrays
-    assert strategy().instructions(2, "late").params["gamma"] == pytest.approx(1 / K)
+        told = s.assign(2, c)
+        assert told.settings["tailored_correction"] is False and "global_delta" not in told.arrays
+    on = strategy().assign(2, "late")
+    assert on.settings["tailored_correction"] is True
+    off = {"tailored_correction": False}
     client = TacoClient()
-    run(client, assignment(W_PREV, 0, params={"gamma": 0.0}))
+    run(client, assignment(W_PREV, 0, params=off))
     with caplog.at_level(logging.WARNING, logger="edgefl.client"):
-        got = run(client, assignment(W_CUR, 1, params={"gamma": 0.0}))
-        fresh = run(TacoClient(), assignment(W_CUR, 5, params={"gamma": 0.0}))  # nothing to derive from: no warning
+        got = run(client, assignment(W_CUR, 1, params=off))
+        fresh = run(TacoClient(), assignment(W_CUR, 5, params=off))  # nothing to derive from: no warning
     plain = run(FedAvgClient(), assignment(W_CUR, 1))
     np.testing.assert_allclose(got, plain, atol=1e-7)
     np.testing.assert_allclose(fresh, plain, atol=1e-7)
+    assert np.abs(run(TacoClient(), assignment(W_CUR, 1, arrays={"global_delta": W_CUR})) - plain).max() > 1e-4
     assert "no correction" not in caplog.text
 
 
@@ -180,9 +188,15 @@ def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
     base = rng.normal(size=6)
     deltas = [(base + rng.normal(scale=0.7, size=6)).astype(np.float32) for _ in range(4)]
     s = strategy()
-    first = s.instructions(1, "c0")
+    first = s.assign(1, "c0")
     assert first.alpha == pytest.approx(0.1)  # alpha_i^0
-    assert first.params["gamma"] == pytest.approx(1 / K) and first.params["eta_g"] == pytest.approx(ETA_G)
+    # gamma = 0 means 1/K, which the device takes from its plan (eta_g = K eta_l likewise)
+    assert first.settings == {
+        "gamma": 0.0,
+        "delta_scale": "per_step",
+        "tailored_correction": True,
+    } and s.gamma == pytest.approx(1 / K)
+    assert s.eta_g == pytest.approx(ETA_G)
     assert "global_delta" not in first.arrays  # Delta_0 = 0
 
     new = s.aggregate(1, w, [upd(f"c{i}", d) for i, d in enumerate(deltas)])
@@ -192,7 +206,7 @@ def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
     uniform = w - np.mean(deltas, axis=0)
     assert np.abs(new - uniform).max() > 1e-3
     for i in range(4):
-        assert s.instructions(2, f"c{i}").alpha == pytest.approx(alphas[i], rel=1e-6)
+        assert s.assign(2, f"c{i}").alpha == pytest.approx(alphas[i], rel=1e-6)
     metrics = s.round_metrics()
     assert set(metrics) == {"alpha", "strikes", "expelled"}
     assert metrics["alpha"]["c2"] == pytest.approx(alphas[2], rel=1e-6)
@@ -209,11 +223,11 @@ def test_aggregation_falls_back_to_uniform_when_every_alpha_is_zero() -> None:
 
 
 def test_gamma_and_lambda_keys() -> None:
-    assert strategy(gamma=0.3).instructions(1, "c").params["gamma"] == pytest.approx(0.3)
+    assert strategy(gamma=0.3).assign(1, "c").settings["gamma"] == pytest.approx(0.3)
     assert strategy(rounds=50).lambda_expel == 10  # T/5
     assert strategy(rounds=3).lambda_expel == 1  # at least 1
     assert strategy(rounds=50, lambda_expel=4).lambda_expel == 4
-    with pytest.raises(ValueError, match="delta_scale"):
+    with pytest.raises(ContractError, match=r"taco.delta_scale = 'bogus': expected one of 'per_step', 'model_diff'"):
         strategy(delta_scale="bogus")
 
 
@@ -280,14 +294,23 @@ def test_expulsion_never_leaves_the_federation_empty(caplog: pytest.LogCaptureFi
     assert s.excluded() == {"a", "b"} and s.strikes == {"a": 2, "b": 2}
 
 
+def freeload(train: TrainFn, weights: np.ndarray) -> TrainResult:
+    """One round of a freeloading client given ``weights``, on a model it never touches."""
+    flat, data = tiny()
+    before = flat.numpy().copy()
+    result = train(flat, weights, data, BatchSampler(len(data), 4, 0, "f"), Plan(K, LR, 4), TacoClient())
+    np.testing.assert_array_equal(flat.numpy(), before)  # no training at all
+    assert result.local_steps == K  # claims the steps it was told
+    return result
+
+
 def test_freeloader_behaviour_uploads_the_previous_global_update() -> None:
     rng = np.random.default_rng(0)
     w0, w1, w2 = (rng.normal(size=7).astype(np.float32) for _ in range(3))
-    b = Behaviour.parse("freeloader")
-    assert not b.trains
-    assert np.array_equal(b.freeload(assignment(w0, 0)).delta, np.zeros(7, np.float32))  # first round: zeros
-    assert np.array_equal(b.freeload(assignment(w1, 1)).delta, w0 - w1)
-    assert np.array_equal(b.freeload(assignment(w2, 2)).delta, w1 - w2)
+    b = freeloader()
+    assert np.array_equal(freeload(b, w0).delta, np.zeros(7, np.float32))  # first round: zeros
+    assert np.array_equal(freeload(b, w1).delta, w0 - w1)
+    assert np.array_equal(freeload(b, w2).delta, w1 - w2)
 
 
 def test_two_freeloaders_of_five_are_expelled_after_two_strikes_honest_ones_stay(
@@ -296,7 +319,7 @@ def test_two_freeloaders_of_five_are_expelled_after_two_strikes_honest_ones_stay
     d = 400
     rng = np.random.default_rng(0)
     s = strategy(kappa=0.6, lambda_expel=2)
-    freeloaders = {"f0": Behaviour.parse("freeloader"), "f1": Behaviour.parse("freeloader")}
+    freeloaders = {"f0": freeloader(), "f1": freeloader()}
     honest = ["h0", "h1", "h2"]
     w = rng.normal(size=d).astype(np.float32)
     direction = rng.normal(size=d) * 0.1  # round 1's common descent direction
@@ -306,7 +329,7 @@ def test_two_freeloaders_of_five_are_expelled_after_two_strikes_honest_ones_stay
         deltas: dict[str, np.ndarray] = {}
         for c in active:
             if c in freeloaders:
-                deltas[c] = freeloaders[c].freeload(assignment(w, r - 1)).delta
+                deltas[c] = freeload(freeloaders[c], w).delta
             else:  # honest-looking: part of the last global direction plus a large client-specific component
                 scale = 1.5 * np.linalg.norm(direction) / np.sqrt(d)
                 base = direction if r == 1 else 0.5 * direction
@@ -367,23 +390,23 @@ def test_global_delta_goes_to_clients_that_missed_the_previous_model() -> None:
     w0 = np.zeros(3, np.float32)
     s = strategy()
     for c in ("a", "b"):
-        assert "global_delta" not in s.instructions(1, c).arrays
+        assert "global_delta" not in s.assign(1, c).arrays
     d = np.array([0.4, -0.2, 0.1], np.float32)
     w1 = s.aggregate(1, w0, [upd("a", d), upd("b", d)])
-    assert "global_delta" not in s.instructions(2, "a").arrays  # "a" received version 0: derives it
-    late = s.instructions(2, "late").arrays["global_delta"]  # joined late: no previous model
+    assert "global_delta" not in s.assign(2, "a").arrays  # "a" received version 0: derives it
+    late = s.assign(2, "late").arrays["global_delta"]  # joined late: no previous model
     np.testing.assert_allclose(late, (w0 - w1) / ETA_G, rtol=1e-6)
     # "b" was not sent version 1; in round 3 (version 2) it gets the array, "a" does not
     w2 = s.aggregate(2, w1, [upd("a", d, 2)])
-    assert "global_delta" not in s.instructions(3, "a").arrays
-    np.testing.assert_allclose(s.instructions(3, "b").arrays["global_delta"], (w1 - w2) / ETA_G, rtol=1e-6)
-    # a round without aggregation: version unchanged, so the next instructions carry the array
-    assert "global_delta" in s.instructions(4, "a").arrays
+    assert "global_delta" not in s.assign(3, "a").arrays
+    np.testing.assert_allclose(s.assign(3, "b").arrays["global_delta"], (w1 - w2) / ETA_G, rtol=1e-6)
+    # a round without aggregation: version unchanged, so the next assignments carry the array
+    assert "global_delta" in s.assign(4, "a").arrays
     # send_global_delta: always
     s2 = strategy(send_global_delta=True)
-    s2.instructions(1, "a")
+    s2.assign(1, "a")
     s2.aggregate(1, w0, [upd("a", d)])
-    np.testing.assert_allclose(s2.instructions(2, "a").arrays["global_delta"], d / ETA_G, rtol=1e-6)
+    np.testing.assert_allclose(s2.assign(2, "a").arrays["global_delta"], d / ETA_G, rtol=1e-6)
 
 
 def test_server_state_round_trip_through_json() -> None:
@@ -391,7 +414,7 @@ def test_server_state_round_trip_through_json() -> None:
     w = rng.normal(size=5).astype(np.float32)
     s = strategy(kappa=0.3, lambda_expel=2)
     for c in "abc":
-        s.instructions(1, c)
+        s.assign(1, c)
     ups = [upd(c, rng.normal(size=5) + 1.0) for c in "abc"]
     w1 = s.aggregate(1, w, ups)
     restored = strategy(kappa=0.3, lambda_expel=2)
@@ -399,8 +422,8 @@ def test_server_state_round_trip_through_json() -> None:
     assert restored.round_metrics() == s.round_metrics()
     np.testing.assert_array_equal(restored.outputs(w1)["z"], s.outputs(w1)["z"])
     for c in ("a", "new"):
-        i1, i2 = s.instructions(2, c), restored.instructions(2, c)
-        assert i1.alpha == i2.alpha and i1.params == i2.params and sorted(i1.arrays) == sorted(i2.arrays)
+        i1, i2 = s.assign(2, c), restored.assign(2, c)
+        assert i1.alpha == i2.alpha and i1.settings == i2.settings and sorted(i1.arrays) == sorted(i2.arrays)
     ups2 = [upd(c, rng.normal(size=5) + 1.0, 2) for c in "abc"]
     np.testing.assert_array_equal(restored.aggregate(2, w1, ups2), s.aggregate(2, w1, ups2))
     assert restored.strikes == s.strikes and restored.excluded() == s.excluded()
@@ -422,12 +445,10 @@ def assignment(
         local_steps=K,
         lr=LR,
         batch_size=4,
-        deadline_s=60.0,
         algorithm="taco",
-        model={},
         weights=np.asarray(weights, dtype=np.float32),
         alpha=alpha,
-        params={"gamma": 0.5, "eta_g": ETA_G, **(params or {})},
+        settings={"gamma": 0.5, "delta_scale": "per_step", "tailored_correction": True, **(params or {})},
         arrays=arrays or {},
     )
 
@@ -440,10 +461,10 @@ def tiny() -> tuple[FlatModel, ArrayDataset]:
 
 
 def run(algorithm: ClientAlgorithm, a: Assignment) -> np.ndarray:
-    from edge_client.trainer import train_local
-
+    if type(algorithm) is FedAvgClient:  # the same round without TACO's part of the assignment
+        a = replace(a, alpha=None, settings={}, arrays={})
     flat, data = tiny()
-    return train_local(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, algorithm).delta
+    return train_assignment(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, algorithm).delta
 
 
 def manual(w: np.ndarray, corr: np.ndarray) -> np.ndarray:
@@ -476,6 +497,11 @@ def test_client_correction_is_eq8_with_a_sent_global_delta() -> None:
     np.testing.assert_allclose(got, want, atol=1e-5)
     plain = run(FedAvgClient(), a)
     assert np.abs(got - plain).max() > 1e-2  # the correction matters at this size
+    # gamma = 0: 1/K with K the plan's steps (the paper's experiments, 2.7 (f)10)
+    got = run(TacoClient(), assignment(W_CUR, 3, alpha=0.2, params={"gamma": 0.0}, arrays={"global_delta": gd}))
+    np.testing.assert_allclose(got, manual(W_CUR, (1 / K) * (1 - 0.2) * gd), atol=1e-5)
+    with pytest.raises(ContractError, match=r"taco.alpha: missing from the assignment"):
+        run(TacoClient(), assignment(W_CUR, 3, alpha=None))
 
 
 def test_client_derives_delta_from_consecutive_models() -> None:
@@ -527,12 +553,11 @@ def test_server_and_client_agree_on_delta_over_rounds() -> None:
     w = W_PREV.copy()
     for r in (1, 2, 3):
         version = r - 1
-        i = s.instructions(r, "a")
-        a = Assignment(r, version, i.local_steps, i.lr, i.batch_size, 60.0, "taco", {}, w, i.alpha, i.params, i.arrays)
-        forced = dict(i.arrays)
+        a = replace(s.assign(r, "a"), round=r, model_version=version, algorithm="taco", weights=w)
+        forced = dict(a.arrays)
         if s.last_step is not None:
             forced["global_delta"] = s.last_step / np.float32(ETA_G)
-        b = Assignment(r, version, i.local_steps, i.lr, i.batch_size, 60.0, "taco", {}, w, i.alpha, i.params, forced)
+        b = replace(a, arrays=forced)
         da, db = run(deriving, a), run(told, b)
         np.testing.assert_allclose(da, db, atol=1e-5)
         other = (da + np.float32(0.3)).astype(np.float32)

@@ -7,12 +7,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 from conftest import CHANCE, Hooks
+from fakes import FakeDevice, zero_update
 
-from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
-from edge_client.topics import Topics
+from edge_client.algorithms import contract_of
+from edge_client.protocol import Assignment, encode
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
 from server.strategies import STRATEGIES
@@ -128,43 +128,25 @@ def test_taco_expels_a_freeloader(federation) -> None:
 def test_update_missing_required_extras_is_rejected_and_round_goes_on(federation, broker: Broker) -> None:
     orch, _ = federation(
         "extras", clients=2, rounds=2, train={"algorithm": "fedveca"}, min_clients=3, round_deadline_s=5.0
-    )  # the rejected client never sends a valid update: each round closes at its deadline
+    )  # the rejected client never sends a valid update: its refused one means the round does not wait for it
     cid = "client-02"
     creds = broker.devices.get(cid) or broker.add_device(cid)
-    topics = Topics("extras")
-    link = MqttLink(LinkConfig(broker.url, cid, creds.password), f"fake-{cid}", [topics.down(cid), topics.server])
-    link.start()
-    stop = threading.Event()
 
-    def fake_client() -> None:  # registers when the server appears, then answers without FedVeca's beta/delta
-        while not stop.is_set():
-            received = link.receive(0.2)
-            if received is None:
-                continue
-            msg = received[1]
-            if isinstance(msg, Stop):
-                return
-            if isinstance(msg, Presence) and msg.online:
-                link.publish(topics.up(cid), encode(Hello(client_id=cid, num_samples=100)))
-            if isinstance(msg, Assignment):
-                delta = np.zeros_like(msg.weights)
-                update = Update(
-                    round=msg.round, model_version=msg.model_version, client_id=cid, num_samples=100,
-                    local_steps=msg.local_steps, compute_s=0.0, cpu_s=0.0, train_loss=0.0, delta=delta,
-                    arrays={"grad": delta, "G": delta},
-                )  # fmt: skip
-                link.publish(topics.up(cid), encode(update))
+    def without_beta_and_delta(a: Assignment) -> list[bytes | bytearray]:  # FedVeca's arrays, not its values
+        update = zero_update(a, cid, 100, contract_of("fedveca"))
+        update.extras = {}
+        return [encode(update)]
 
-    thread = threading.Thread(target=fake_client, daemon=True)
-    thread.start()
+    device = FakeDevice.over_mqtt(broker.url, cid, creds.password, "extras", cid, 100, without_beta_and_delta)
+    device.start()
     try:
         hooks = Hooks()
         orch.observer = hooks
         summary = orch.run()
     finally:
-        stop.set()
-        thread.join(10)
-        link.stop()
+        device.stop()
+    assert device.error is None, device.error
+    assert [a.round for a in device.assignments] == [1, 2]
     assert summary["rounds"] == 2
     assert summary["rejected"]["missing_field"] == 2
     for row in hooks.rows:

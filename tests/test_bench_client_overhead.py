@@ -25,7 +25,7 @@ def test_quick_run_writes_table_for_every_algorithm(tmp_path: Path) -> None:
             if row["status"] == "MISS":
                 assert row["profile"]
         assert model["rows"]["fedavg"]["ratio_median_paired"] == 1.0
-        assert model["rows"]["fedumf"]["params"]["momentum"] > 0  # FedUmf's real local optimiser
+        assert model["rows"]["fedumf"]["optimiser"]["momentum"] > 0  # FedUmf's real local optimiser
     for row in data["fedveca_extra"].values():
         assert {"extra_s_median_paired", "full_pass_s_median", "ratio_extra_to_pass", "status"} <= set(row)
     assert "## Client step overhead" in md and "| taco |" in md and "FedVeca per-round extra" in md

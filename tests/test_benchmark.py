@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 import torch
 
-from edge_client.algorithms import CLIENT_ALGORITHMS
+from edge_client.algorithms import CLIENT_ALGORITHMS, CONTRACTS
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Array, Contract, Setting
 from edge_client.speed import benchmark, format_table
 
 MLP = {"name": "mlp", "in_features": 64, "num_classes": 10}
@@ -65,15 +67,20 @@ def test_format_table(tiny: list[dict[str, Any]]) -> None:
 
 
 class NeedsArraysClient(ClientAlgorithm):
-    """A client half the benchmark has never heard of: it asks for an array and a coefficient."""
+    """A client half the benchmark has never heard of: its contract asks for an array and a coefficient."""
 
-    name: ClassVar[str] = "test-needs-arrays"
+    contract = Contract(
+        "test-needs-arrays",
+        "a prox term towards a server-sent anchor",
+        settings=(Setting("kappa", float, 0.01, "prox coefficient", low=0.0, device=True),),
+        sends=(Array("anchor", "the prox centre"),),
+    )
+    kappas: ClassVar[list[float]] = []  # every coefficient a round was run with
 
     def begin_round(self, ctx: LocalContext) -> None:
         self.anchor = ctx.array("anchor")
-        if ctx.param("kappa") is None:
-            raise ValueError("test-needs-arrays: the assignment carries no 'kappa'")
-        self.kappa = float(ctx.param("kappa"))
+        self.kappa = float(ctx.setting("kappa"))
+        self.kappas.append(self.kappa)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         ctx.flat.grad.add_(ctx.flat.params - self.anchor, alpha=self.kappa)
@@ -82,17 +89,18 @@ class NeedsArraysClient(ClientAlgorithm):
         return {}, {}
 
 
-def test_missing_arrays_and_params_are_filled_generically(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(CLIENT_ALGORITHMS, NeedsArraysClient.name, NeedsArraysClient)
+def test_arrays_and_settings_come_from_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    name = NeedsArraysClient.contract.name
+    monkeypatch.setitem(CLIENT_ALGORITHMS, name, NeedsArraysClient)
+    monkeypatch.setitem(CONTRACTS, name, NeedsArraysClient.contract)
+    monkeypatch.setattr(NeedsArraysClient, "kappas", [])
     threads = torch.get_num_threads()
-    results = benchmark(
-        [MLP], ["fedavg", NeedsArraysClient.name], steps=3, batch_size=8, repeats=2, threads=1, inference=False
-    )
+    results = benchmark([MLP], ["fedavg", name], steps=3, batch_size=8, repeats=2, threads=1, inference=False)
     assert torch.get_num_threads() == threads  # restored
-    assert [r["algorithm"] for r in results] == ["fedavg", NeedsArraysClient.name]
+    assert [r["algorithm"] for r in results] == ["fedavg", name]
     custom = results[1]
     assert custom["arrays"] == ["anchor"]
-    assert custom["params"] == {"kappa": 0.01}
+    assert NeedsArraysClient.kappas and set(NeedsArraysClient.kappas) == {0.01}  # the contract's default
     assert len(custom["runs_s_per_100"]) == 2
     assert all(r["inference"] is None for r in results)
 
@@ -113,3 +121,12 @@ def test_bad_arguments() -> None:
         benchmark([MLP], ["no-such-algorithm"], steps=1, repeats=1, inference=False)
     with pytest.raises(ValueError, match=">= 1"):
         benchmark([MLP], ["fedavg"], steps=0)
+
+
+def test_without_onnx_the_training_figures_still_come(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A device has onnxruntime but not onnx (needed to export): the benchmark says so instead of failing."""
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    with caplog.at_level("WARNING"):
+        results = benchmark([MLP], ["fedavg"], steps=2, batch_size=8, repeats=1, inference_repeats=2)
+    assert results[0]["s_per_100"] > 0 and results[0]["inference"] is None
+    assert "needs the onnx package" in caplog.text

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import stat
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import throwaway_certificate
 from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
 
@@ -276,17 +275,7 @@ def _first_answer(broker: Broker, creds: Any, ca: Path | None) -> str:
 
 def test_tls_listener_takes_passwords_over_tls_only(tmp_path: Path, need_mosquitto: None) -> None:
     """With certfile/keyfile the broker speaks TLS: a TLS client with a password gets in, plain MQTT does not."""
-    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is needed to make a test certificate")
-    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key)]
-    subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
-    subprocess.run(
-        [openssl, "req", "-x509", *new_key, "-days", "1", "-out", str(cert), *subject],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = throwaway_certificate(tmp_path)
     b = Broker(tmp_path / "b", BrokerSettings(devices=["d1"], certfile=str(cert), keyfile=str(key))).start()
     try:
         assert b.url == f"mqtts://127.0.0.1:{b.port}"

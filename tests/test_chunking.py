@@ -193,7 +193,7 @@ def test_chunk_disagreeing_with_first_chunk() -> None:
 
 def test_oversized_announced_message() -> None:
     _, frames = _frames()
-    with pytest.raises(P.ChunkError, match="size expected"):
+    with pytest.raises(P.ChunkError, match=f"announces {_chunk(frames[0]).size} bytes, this sender may send {3 * MIB}"):
         Reassembler(max_message_bytes=3 * MIB).feed("pi-01", frames[0])
     whole = P.encode(_update(1000))
     with pytest.raises(P.MessageTooLarge):
@@ -212,12 +212,17 @@ def test_pending_limit_per_sender_evicts_oldest() -> None:
 
 
 def test_pending_bytes_limit() -> None:
+    """Memory is counted as pieces arrive (1 MiB each here), never for the size a first chunk announces."""
     r = Reassembler(max_pending_bytes=5 * MIB)
-    a, b = _frames()[1][0], _frames()[1][0]
-    r.feed("pi-01", a)
-    with pytest.raises(P.ChunkError, match="dropped"):
-        r.feed("pi-01", b)  # its own oldest makes room
+    (_, a), (_, b), (_, c) = _frames(), _frames(), _frames()
+    for f in [*a[:3], *b[:2]]:  # 5 MiB held: at the bound, nothing dropped
+        assert r.feed("pi-01", f) is None
+    assert r.pending() == 2
+    with pytest.raises(P.ChunkError, match=f"dropped partial messages \\['{_chunk(a[0]).of}'\\]"):
+        r.feed("pi-01", b[2])  # its own oldest makes room
     assert r.pending() == 1
+    for f in c[:2]:
+        assert r.feed("pi-02", f) is None
     with pytest.raises(P.ChunkError, match="no room"):
-        r.feed("pi-02", _frames()[1][0])  # others' partial messages are never evicted for it
-    assert r.pending() == 1
+        r.feed("pi-02", c[2])  # others' partial messages are never evicted for it
+    assert r.pending() == 2  # pi-01's b and pi-02's first two pieces

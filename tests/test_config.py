@@ -145,7 +145,9 @@ def test_devices_must_be_a_list_of_strings() -> None:
         ("run", "target_accuracy", 1.2, "(0, 1]"),
         ("clients", "min_clients", -1, ">= 0"),
         ("train", "local_steps", 0, ">= 1"),
+        ("train", "momentum", 1.0, "[0, 1)"),  # FedUmf's optimiser is every algorithm's now
         ("broker", "chunk_size", 100, ">= 1024"),
+        ("broker", "max_packet_size", 100, ">= 4096"),
     ],
 )
 def test_out_of_range_names_key_range_and_value(section: str, key: str, value: object, expected: str) -> None:
@@ -206,20 +208,20 @@ def test_override_validates_names_and_ranges() -> None:
 def test_algorithm_params_reach_run_config(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        '[train]\nalgorithm = "fedavg"\n[algorithm.fedavg]\nmomentum = 0.9\n[algorithm.other]\nmu = 0.01\n',
+        '[train]\nalgorithm = "fedavg"\n[algorithm.fedavg]\nweighting = "samples"\n[algorithm.fedprox]\nzeta = 0.01\n',
     )
     config = load_config(path)
-    assert config.algorithm_params() == {"momentum": 0.9}
-    config.train.algorithm = "other"
-    assert config.algorithm_params() == {"mu": 0.01}
-    config.train.algorithm = "absent"
+    assert config.algorithm_params() == {"weighting": "samples"}
+    config.train.algorithm = "fedprox"
+    assert config.algorithm_params() == {"zeta": 0.01}
+    config.train.algorithm = "fedumf"  # no table of its own
     assert config.algorithm_params() == {}
 
 
 def test_algorithm_params_returns_a_copy() -> None:
-    config = from_dict({"algorithm": {"fedavg": {"momentum": 0.9}}})
-    config.algorithm_params()["momentum"] = 0.0
-    assert config.algorithm_params() == {"momentum": 0.9}
+    config = from_dict({"algorithm": {"fedavg": {"weighting": "samples"}}})
+    config.algorithm_params()["weighting"] = "uniform"
+    assert config.algorithm_params() == {"weighting": "samples"}
 
 
 def test_algorithm_section_must_hold_tables() -> None:

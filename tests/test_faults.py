@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,31 +22,27 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import Hooks, make_config, make_update
+from conftest import Hooks, make_config, make_update, start_federation
+from fakes import FakeDevice
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Hello, Presence, Update, encode
+from edge_client.protocol import Assignment, Update, encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.transport import LinkConfig
 from server.broker import Broker, BrokerSettings
+from server.checkpoint import pack_state, resumes, unpack_state
 from server.config import ConfigError
-from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 from server.experiments.simulate import (
-    ClientLogin,
     client_ids,
     client_state_dirs,
-    prepare_shards,
-    start_clients,
     stop_clients,
 )
-from server.orchestrator import Orchestrator, resumes
+from server.orchestrator import Orchestrator
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
-from server.strategies.base import Instructions, pack_state, unpack_state
 
 SPEC = {"name": "mlp", "in_features": 4, "num_classes": 3, "hidden": [5]}
 CLIENTS = ["a", "b", "c"]
@@ -68,7 +65,7 @@ def play_round(strategy: Strategy, round_: int, weights: np.ndarray, seed: int) 
     rng = np.random.default_rng(seed)
     selected = strategy.select(round_, CLIENTS)
     told = [selected, strategy.train_only(round_, CLIENTS, selected)]
-    told += [strategy.instructions(round_, cid) for cid in selected]
+    told += [strategy.assign(round_, cid) for cid in selected]
     n = weights.size
     updates = [
         make_update(
@@ -87,9 +84,9 @@ def play_round(strategy: Strategy, round_: int, weights: np.ndarray, seed: int) 
 
 
 def assert_same(a: Any, b: Any) -> None:
-    """Deep equality where arrays (and Instructions holding them) must match bit for bit."""
-    if isinstance(a, Instructions):
-        assert_same(vars(a), vars(b))
+    """Deep equality where arrays (and assignments holding them) must match bit for bit."""
+    if isinstance(a, Assignment):  # every field but the message id, which is new for every message
+        assert_same({**vars(a), "msg_id": ""}, {**vars(b), "msg_id": ""})
     elif isinstance(a, dict):
         assert a.keys() == b.keys()
         for key in a:
@@ -143,10 +140,13 @@ def reported(caplog: pytest.LogCaptureFixture, round_: int, cid: str) -> int:
 
 
 def assert_c_is_the_mean_of_the_c_i(orch: Orchestrator, state_dir: Path) -> None:
-    """SCAFFOLD's invariant c = mean_i c_i over every registered client, each c_i settled as its next assignment
-    would settle it (pending c_i^new committed only if the server aggregated that round)."""
+    """SCAFFOLD's invariant c = mean_i c_i over the clients aggregated so far (every registered one with
+    ``c_mean_over = "registered"``), each c_i settled as its next assignment would settle it (pending c_i^new
+    committed only if the server aggregated that round)."""
+    strategy: Any = orch.strategy  # a Scaffold
+    over = orch.clients if strategy.params["c_mean_over"] == "registered" else strategy.aggregated
     settled = []
-    for cid in sorted(orch.clients):
+    for cid in sorted(over):
         client = ScaffoldClient()
         with np.load(state_dir / f"{cid}.state" / orch.config.run.job / "scaffold.npz") as saved:
             client.load_state_dict({k: saved[k] for k in saved.files})
@@ -225,37 +225,29 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
 def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation, broker) -> None:
     """A device (c9, its own login) answers every assignment with four bad updates, then a good one."""
     orch, _ = federation("absurd", clients=2, rounds=3)
-    topics = Topics("absurd")
-    login = LinkConfig(broker.url, "c9", broker.devices["c9"].password)
-    device = MqttLink(login, "fake-c9", [topics.down("c9"), topics.server]).start()
-    answered: list[int] = []
-    stop = threading.Event()
 
-    def serve() -> None:
-        while not stop.is_set():
-            msg = (device.receive(0.2) or (None, None))[1]
-            if isinstance(msg, Presence) and msg.online:  # the server is up: register
-                device.publish(topics.up("c9"), encode(Hello(client_id="c9", num_samples=10)))
-            elif isinstance(msg, Assignment):
-                n, ok = msg.weights.size, {"round": msg.round, "model_version": msg.model_version}
-                for update in (
-                    make_update("c9", np.full(n, 1e6), **ok),  # norm
-                    make_update("c9", np.full(n, np.nan), **ok),  # non_finite
-                    make_update("c9", np.zeros(n), round=msg.round, model_version=msg.model_version + 7),
-                    make_update("c9", np.zeros(n + 1), **ok),  # shape
-                    make_update("c9", np.full(n, 1e-3), **ok),  # the good one, last
-                ):
-                    device.publish(topics.up("c9"), encode(update))
-                answered.append(msg.round)
+    def absurd(msg: Assignment) -> list[bytes | bytearray]:
+        assert msg.weights is not None
+        n = msg.weights.size
+        ok = {"round": msg.round, "model_version": msg.model_version, "run_id": msg.run_id, "num_samples": 10}
+        return [
+            encode(update)
+            for update in (
+                make_update("c9", np.full(n, 1e6), **ok),  # norm
+                make_update("c9", np.full(n, np.nan), **ok),  # non_finite
+                make_update("c9", np.zeros(n), **{**ok, "model_version": msg.model_version + 7}),
+                make_update("c9", np.zeros(n + 1), **ok),  # shape
+                make_update("c9", np.full(n, 1e-3), **ok),  # the good one, last
+            )
+        ]
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, "absurd", "c9", 10, absurd).start()
     try:
         summary = orch.run()
     finally:
-        stop.set()
-        thread.join()
         device.stop()
+    assert device.error is None, device.error
+    answered = [a.round for a in device.assignments]
     rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == 3 and answered
     bad = {"norm": 1, "non_finite": 1, "model_version": 1, "shape": 1}
@@ -266,7 +258,6 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
     assert summary["rejected"] == {k: v * len(answered) for k, v in bad.items()}
 
 
-@pytest.mark.integration
 def _checkpointed_round(out: Path) -> int:
     """The last round in ``out/checkpoint.npz`` (replaced atomically, so never half-written), 0 before the first.
 
@@ -279,6 +270,7 @@ def _checkpointed_round(out: Path) -> int:
         return 0
 
 
+@pytest.mark.integration
 def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, tmp_path: Path) -> None:
     """`edge-server run` (TACO: alphas and strikes in the checkpoint) SIGKILLed after round 2, restarted with the same
     output directory; the clients stay up and re-register when the server's presence comes back."""
@@ -313,7 +305,8 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
         Orchestrator(other, orch.link.config, orch.evaluator, orch.model_spec, out).run()
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resuming from round {k}" in (out / "server.log").read_text()
+    resumed_from = re.search(r"resuming run (\w+) from round (\d+)", (out / "server.log").read_text())
+    assert resumed_from is not None and int(resumed_from[2]) == k
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, rounds + 1))
     assert all(r["clients_reported"] == 3 for r in rows[k:])  # every client came back after the restart
@@ -325,15 +318,9 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
 # ------------------------------------------------------------------------------------ the broker itself dies
 def federation_on(broker: Broker, tmp_path: Path, job: str, clients: int, rounds: int, **settings: Any) -> tuple:
     """Like conftest's ``federation``, on a broker of the test's own (one it may kill): server and client processes."""
-    config = make_config(tmp_path, job, clients, rounds, **settings)
-    bundle = load_dataset("digits", seed=0)
-    out = Path(config.run.out)
-    ids = client_ids(clients)
-    shards, _ = prepare_shards(bundle, ids, config.data.partition, 0, out / "shards")
-    logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
-    procs = start_clients(config, broker.url, logins, shards, out)
     link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-    return Orchestrator(config, link, Evaluator(bundle.model, bundle.test), bundle.model, out), procs
+    return start_federation(tmp_path, link, lambda cid: (broker.url, broker.devices[cid].password), job, clients,
+                            rounds, **settings)  # fmt: skip
 
 
 @pytest.mark.integration
@@ -405,7 +392,7 @@ def test_broker_sigkilled_mid_round_and_restarted(
 
 def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.LogCaptureFixture) -> None:
     """A stale assignment (replayed from a persistent session) is skipped with a log line; the same round again (a
-    resumed server re-running it) is served; once the server went offline, the next run may start at round 1."""
+    resumed server re-running it) is served; another run (a new run id) may start at round 1."""
     bus, topics = LocalBus(), Topics("stale")
     server = LocalLink(bus, [topics.all_up]).start()
     rng = np.random.default_rng(0)
@@ -414,15 +401,18 @@ def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.Lo
     client.link.start()
     weights = get_flat(build_model(SPEC))
 
-    def served(round_: int) -> list[int]:
-        client.handle(Assignment(round_, round_, 2, 0.1, 4, 10.0, "fedavg", SPEC, weights))
+    def served(round_: int, run_id: str = "run-1") -> list[int]:
+        client.handle(
+            Assignment(local_steps=2, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
+                       deadline_s=10.0, algorithm="fedavg", model=SPEC, run_id=run_id)
+        )  # fmt: skip
         return [m.round for _, m in iter(lambda: server.receive(0), None) if isinstance(m, Update)]
 
     assert served(3) == [3]
-    assert served(2) == [] and "round 2: skipping a stale assignment (round 3 already served)" in caplog.text
+    assert served(2) == []
+    assert "round 2: skipping a stale assignment (round 3 of this run already served)" in caplog.text
     assert served(3) == [3]
-    client.handle(Presence(client_id="server", online=False, role="server", reason="connection lost"))
-    assert served(1) == [1]
+    assert served(1, run_id="run-2") == [1]
 
 
 def test_client_state_is_kept_only_when_the_run_resumes(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ import pytest
 from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
 
-from server.acl import acl_rules
+from server.acl import acl_rules, site_rules
+from server.bridge import BridgeSettings, bridge_config
 
 REPO = Path(__file__).resolve().parents[1]
 FW = REPO / "firmware_scripts"
@@ -36,7 +37,8 @@ UNINSTALL = FW / "uninstall-edge-client.sh"
 BUNDLE = FW / "make-wheel-bundle.sh"
 PROVISION = FW / "provision-broker.sh"
 QEMU_SMOKE = FW / "qemu-smoke.sh"
-SCRIPTS = [INSTALL, UNINSTALL, BUNDLE, PROVISION, QEMU_SMOKE]
+CLUSTER = FW / "ejabberd-cluster.sh"
+SCRIPTS = [INSTALL, UNINSTALL, BUNDLE, PROVISION, QEMU_SMOKE, CLUSTER]
 UNIT = "etc/systemd/system/edgefl-client.service"
 MACHINE_ID = "0123456789abcdef0123456789abcdef"
 # `systemd-analyze security` exposure of the unit (0-10; shown as 1.6 with systemd 252). The threshold is on the
@@ -376,12 +378,18 @@ def test_offline_install_from_wheel_dir(tmp_path: Path) -> None:
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", REPO, "-w", wheels)
     root = new_root(tmp_path)
     for _ in range(2):
-        install(root, "--wheels", wheels, "--no-deps", "--no-start")
+        install(root, "--wheels", wheels, "--no-deps", "--no-start", "--no-check")
     venv = root / "opt/edgefl/venv"
     assert os.access(venv / "bin/edge-client", os.X_OK)
     shown = run(venv / "bin/python", "-m", "pip", "show", "edgefl").stdout
     assert re.search(r"^Version: \d", shown, re.M)
     assert list((venv / "lib").glob("python3*/site-packages/edge_client/cli.py"))
+    # without --no-check the installer ends with edge-client check; here it fails (no broker, no data, and
+    # --no-deps left numpy out), so the device is installed but reported not ready, with exit status 1
+    result = install(root, "--wheels", wheels, "--no-deps", "--no-start", check=False)
+    assert result.returncode == 1, result.stderr
+    assert "edge-client check" in result.stderr and "NOT READY" in result.stderr
+    assert (root / UNIT).exists()
 
 
 def test_uninstall_keeps_identity_unless_purged(tmp_path: Path) -> None:
@@ -454,7 +462,16 @@ def test_qemu_smoke_is_documented() -> None:
     readme = (FW / "README.md").read_text()
     for script in SCRIPTS:
         assert f"## {script.name}" in readme, f"firmware_scripts/README.md has no section for {script.name}"
-    assert "QEMU_CPU" in readme and "cortex-a72" in readme
+    assert "qemu-aarch64 -cpu cortex-a72 -L ROOT" in readme and "No binfmt_misc entry is registered" in readme
+    assert "### Last run" in readme, "the release check's record of its last run"
+
+
+def test_qemu_smoke_registers_no_binfmt_and_mounts_nothing() -> None:
+    """The emulator is called explicitly: the script never touches binfmt_misc, mounts or kernel settings."""
+    code = "\n".join(line for line in QEMU_SMOKE.read_text().splitlines() if not line.lstrip().startswith("#"))
+    for forbidden in ("update-binfmts", "/proc/sys", "mount -t", "sysctl", "chroot "):
+        assert forbidden not in code, forbidden
+    assert "--no-install-recommends" in code  # qemu-user recommends qemu-user-binfmt
 
 
 # --- a provisioned broker against a real mosquitto -----------------------------------------------------------------
@@ -703,3 +720,63 @@ def test_certificate_device(provisioned: dict[str, object]) -> None:
     broker.stop()  # mosquitto reads the CRL when the listener starts
     provisioned["broker"] = broker = Mosquitto(directory, broker.proc.args[0])
     assert refused(cert_port, ca, None, None, (saved[0], saved[1])), "a revoked certificate connected"
+
+
+# --- a site broker bridged to a central one, both provisioned -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("site", "devices", "job"), [("site-a", ["d1", "d2"], "+"), ("s.2", ["pi-01"], "lab")])
+def test_provisioned_site_acl_is_server_site_rules(site: str, devices: list[str], job: str) -> None:
+    flags = [arg for device in devices for arg in ("--device", device)]
+    result = run("bash", PROVISION, "print-acl", "--job", job, "--site", site, *flags)
+    assert result.stdout == "\n".join([acl_rules("edgefl-server", job), site_rules(site, devices, job)])
+
+
+@pytest.mark.integration
+def test_provisioned_site_bridges_its_devices_to_the_central_broker(tmp_path: Path) -> None:
+    """add-site on the central broker, add-bridge on the site: a device's update reaches the server over the bridge
+    (TLS, the site's login) and the server's assignment comes back; the files match server/acl.py and
+    server/bridge.py; a device added later is bridged after the site broker restarts."""
+    tools = require("openssl", "mosquitto", "mosquitto_passwd")
+    central, site = tmp_path / "central", tmp_path / "site"
+    ports = {"central": free_port(), "site": free_port()}
+    for directory in (central, site):
+        run("bash", PROVISION, "init", directory, "--host", "127.0.0.1", "--port", ports[directory.name],
+            "--bind", "127.0.0.1", "--run-as-root")  # fmt: skip
+    run("bash", PROVISION, "add-site", central, "site-a", "--device", "d1", "--device", "d2",
+        "--password-file", tmp_path / "site-a.pw")  # fmt: skip
+    assert (central / "acl").read_text() == "\n".join([acl_rules("edgefl-server"), site_rules("site-a", ["d1", "d2"])])
+    for device in ("d1", "d2"):
+        run("bash", PROVISION, "add-device", site, device, "--password-file", tmp_path / f"{device}.pw")
+    url = f"mqtts://127.0.0.1:{ports['central']}"
+    run("bash", PROVISION, "add-bridge", site, url, "--username", "site-a", "--password-file", tmp_path / "site-a.pw",
+        "--ca-file", central / "ca.crt")  # fmt: skip
+    conf = (site / "mosquitto.conf").read_text()
+    bridge = BridgeSettings(url, "site-a", (tmp_path / "site-a.pw").read_text().strip(), str(site / "bridge-ca.crt"))
+    assert conf[conf.index("connection ") :] == "\n".join(bridge_config(bridge, ["d1", "d2"], 16777216)) + "\n"
+    assert "site-a\tsite\td1,d2" in run("bash", PROVISION, "list", central).stdout
+    plain = run("bash", PROVISION, "add-bridge", site, "mqtt://192.0.2.1:1883", "--username", "site-a",
+                "--password-file", tmp_path / "site-a.pw", check=False)  # fmt: skip
+    assert plain.returncode == 2 and "without TLS" in plain.stderr
+
+    brokers = [Mosquitto(central, tools["mosquitto"]), Mosquitto(site, tools["mosquitto"])]
+    server = Conn(
+        ports["central"], central / "ca.crt", "edgefl-server", (central / "server.password").read_text().strip()
+    )
+    d1 = Conn(ports["site"], site / "ca.crt", "d1", (tmp_path / "d1.pw").read_text().strip())
+    try:
+        assert server.ok and d1.ok, (server.reason, d1.reason)
+        server.subscribe("edgefl/+/c/+/up")
+        d1.subscribe("edgefl/job/c/d1/down")
+        d1.publish("edgefl/job/c/d1/up", b"update")  # queued on the site until the bridge is up, then carried
+        assert server.messages.get(timeout=DEADLINE) == ("edgefl/job/c/d1/up", b"update")
+        server.publish("edgefl/job/c/d1/down", b"assignment")
+        assert d1.messages.get(timeout=DEADLINE) == ("edgefl/job/c/d1/down", b"assignment")
+    finally:
+        d1.close()
+        server.close()
+        for broker in brokers:
+            broker.stop()
+    log = run("bash", PROVISION, "add-device", site, "d3", "--password-file", tmp_path / "d3.pw").stderr
+    assert "add-site CENTRAL_DIR site-a --device d1 --device d2 --device d3" in log
+    assert "topic edgefl/+/c/d3/up out 1" in (site / "mosquitto.conf").read_text()

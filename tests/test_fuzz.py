@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
 
-EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of eight frames)
+EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of nine frames)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=timedelta(seconds=2),  # a decode takes microseconds; seconds mean something loops or allocates wildly
@@ -48,6 +48,7 @@ vectors = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), m
 )
 extra_arrays = st.dictionaries(st.text(min_size=1, max_size=4), vectors, max_size=2)
 digests = st.binary(min_size=32, max_size=32).map(bytes.hex)
+run_ids = st.text("abz019_.:-", max_size=12)
 
 hellos = st.builds(P.Hello, ids, nonneg, maps)
 assignments = st.builds(
@@ -62,10 +63,13 @@ assignments = st.builds(
     model=maps,
     weights=vectors,
     alpha=st.none() | finite,
-    params=maps,
+    settings=maps,
     arrays=extra_arrays,
+    momentum=st.floats(0.0, 0.99),
+    weight_decay=st.floats(0.0, 1.0),
     upload=st.booleans(),
     seed=nonneg,
+    run_id=run_ids,
 )
 updates = st.builds(
     P.Update,
@@ -81,9 +85,11 @@ updates = st.builds(
     metrics=maps,
     extras=maps,
     arrays=extra_arrays,
+    run_id=run_ids,
 )
+failures = st.builds(P.Failure, nonneg, ids, st.text("abz_", min_size=1, max_size=8), text, run_ids)
 presences = st.builds(P.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
-stops = st.builds(P.Stop, text)
+stops = st.builds(P.Stop, text, run_ids)
 models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
 
 
@@ -95,7 +101,7 @@ def chunks(draw: st.DrawFn) -> P.Chunk:
     return P.decode(draw(st.sampled_from(frames)))  # type: ignore[return-value]
 
 
-messages = st.one_of(hellos, assignments, updates, presences, stops, models, chunks())
+messages = st.one_of(hellos, assignments, updates, failures, presences, stops, models, chunks())
 frames = messages.map(lambda m: bytes(P.encode(m)))
 
 
@@ -154,8 +160,24 @@ def test_every_truncation_of_each_message_type() -> None:
     vec = rng.standard_normal(8).astype(np.float32)
     examples = [
         P.Hello("pi-01", 600, {"machine": "aarch64"}),
-        P.Assignment(1, 0, 5, 0.1, 32, 30.0, "taco", {"name": "mlp"}, vec, 0.5, {"eta_g": 0.5}, {"c": vec}),
-        P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}),
+        P.Assignment(
+            local_steps=5,
+            lr=0.1,
+            batch_size=32,
+            alpha=0.5,
+            settings={"gamma": 0.5},
+            arrays={"c": vec},
+            weights=vec,
+            momentum=0.5,
+            weight_decay=5e-4,
+            round=1,
+            deadline_s=30.0,
+            algorithm="taco",
+            model={"name": "mlp"},
+            run_id="r1",
+        ),
+        P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
+        P.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
         P.Presence("pi-01", True),
         P.Stop("done"),
         P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),

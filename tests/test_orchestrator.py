@@ -7,26 +7,31 @@ update differs from a valid one in exactly one respect, so each test exercises e
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from fakes import FakeDevice, zero_update
 
+from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
+from edge_client.contract import Array, Value
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
+from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode, new_msg_id
 from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.transport import LinkConfig
+from server.admission import Admission, RoundState
 from server.broker import Broker
 from server.config import RunConfig, from_dict
 from server.evaluation import Evaluator
 from server.experiments.datasets import load_dataset
-from server.orchestrator import Orchestrator, RoundState
-from server.strategies import ServerContext, TrainSettings, make_strategy
+from server.orchestrator import Orchestrator
+from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
 
 SEED = 3
@@ -62,10 +67,18 @@ def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
     link = LinkConfig(broker.url, broker.server.username, broker.server.password)
     o = Orchestrator(make_config(tmp_path, job), link, Evaluator(digits.model, digits.test), digits.model, tmp_path)
     o.num_params = initial_weights(digits.model).size
+    use_strategy(o, o.strategy)
     for cid in ("c0", "c1", "c2"):
         o._handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
     o.current = RoundState(round=2, model_version=1, selected={"c0", "c1"}, assigned_steps={"c0": 2, "c1": 2})
     return o
+
+
+def use_strategy(orch: Orchestrator, strategy: Strategy) -> None:
+    """Set up ``strategy`` and the admission of its updates as ``Orchestrator.run`` does before round 1."""
+    orch.strategy = strategy
+    strategy.setup(ServerContext(orch.model_spec, orch.num_params, orch.client_samples))
+    orch.admission = Admission(strategy.contract, strategy.params, orch.num_params, orch.config.train.max_update_norm)
 
 
 def update(orch: Orchestrator, cid: str, **changes: Any) -> Update:
@@ -181,14 +194,18 @@ def test_server_messages_sent_by_a_client_are_invalid(orch: Orchestrator, kind: 
 
 
 class FedAvgWithBeta(FedAvg):
-    name = "fedavg-beta"
-    required_extras: ClassVar[tuple[str, ...]] = ("beta",)
-    required_arrays: ClassVar[tuple[str, ...]] = ("control",)
+    """FedAvg whose contract has its clients return a value ``beta`` and an array ``control``."""
+
+    contract = dataclasses.replace(
+        FEDAVG,
+        name="fedavg-beta",
+        returns=(Array("control", "a model-sized vector"),),
+        returns_values=(Value("beta", "a finite number >= 0"),),
+    )
 
 
 def test_missing_required_extras_and_arrays_are_rejected(orch: Orchestrator) -> None:
-    orch.strategy = FedAvgWithBeta(TrainSettings(2, 0.1, 8))
-    orch.strategy.setup(ServerContext(model_spec={}, num_params=orch.num_params))
+    use_strategy(orch, FedAvgWithBeta(TrainSettings(2, 0.1, 8)))
     control = {"control": np.zeros(orch.num_params, dtype=np.float32)}
     send(orch, "c0", update(orch, "c0", arrays=control))  # no beta
     send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}))  # no control array
@@ -244,13 +261,15 @@ def fedavg_expected(w: np.ndarray, deltas: list[np.ndarray], p: list[float]) -> 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_fedavg_aggregates_the_received_updates(orch: Orchestrator, weighting: str) -> None:
-    orch.strategy = make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": weighting})
+    use_strategy(orch, make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": weighting}))
     orch.current = RoundState(
         round=2, model_version=1, selected={"c0", "c1", "c2"}, assigned_steps=dict.fromkeys(("c0", "c1", "c2"), 2)
     )  # c2 never reports
     rng = np.random.default_rng(0)
     w = rng.standard_normal(orch.num_params).astype(np.float32)
     samples = {"c0": 30, "c1": 90}
+    for cid, n in samples.items():  # data-size weights are what a client registered with
+        send(orch, cid, Hello(client_id=cid, num_samples=n))
     deltas = {cid: rng.standard_normal(orch.num_params).astype(np.float32) for cid in samples}
     for cid in samples:
         send(orch, cid, update(orch, cid, num_samples=samples[cid], delta=deltas[cid]))
@@ -284,55 +303,22 @@ def test_fedavg_single_update_applies_its_whole_delta() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- a real run
-class FakeClient:
-    """Protocol-level client over MQTT, no training: answers each assignment with a zero delta.
+def late_then_valid(cid: str, late_round: int) -> Callable[[Assignment], list[bytes | bytearray]]:
+    """Answers each assignment with a zero delta; right after round ``late_round`` begins it first sends a huge update
+    for the round before it (as a client that finished that round late would), then its valid one."""
 
-    Right after round ``late_round`` begins it first sends a huge update for the round before it (as a client that
-    finished that round late would), then its valid update.
-    """
+    def respond(a: Assignment) -> list[bytes | bytearray]:
+        valid = zero_update(a, cid, 50)
+        frames = [encode(valid)]
+        if a.round == late_round:
+            huge = np.full(valid.delta.size, 1e6, dtype=np.float32)
+            late = dataclasses.replace(
+                valid, round=a.round - 1, model_version=a.model_version - 1, delta=huge, msg_id=new_msg_id()
+            )
+            frames.insert(0, encode(late))
+        return frames
 
-    def __init__(self, broker: Broker, topics: Topics, cid: str, late_round: int) -> None:
-        creds = broker.devices[cid]
-        self.cid, self.topics, self.late_round = cid, topics, late_round
-        self.link = MqttLink(
-            LinkConfig(broker.url, creds.username, creds.password),
-            f"fake-{cid}-{uuid.uuid4().hex[:8]}",
-            [topics.down(cid), topics.broadcast, topics.server],
-        )
-        self.stop = threading.Event()
-        self.stopped_by_server = threading.Event()
-        self.assignments: list[Assignment] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=f"fake-{cid}", daemon=True)
-
-    def _update(self, a: Assignment, round_: int, version: int, delta: np.ndarray) -> bytes | bytearray:
-        return encode(Update(round_, version, self.cid, 50, a.local_steps, 0.01, 0.01, 0.1, delta))
-
-    def _run(self) -> None:
-        up = self.topics.up(self.cid)
-        try:
-            self.link.start()
-            while not self.stop.is_set():
-                got = self.link.receive(0.2)
-                if got is None:
-                    continue
-                _, msg = got
-                if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-                    self.link.publish(up, encode(Hello(client_id=self.cid, num_samples=50)))
-                elif isinstance(msg, Assignment):
-                    self.assignments.append(msg)
-                    n = msg.weights.size
-                    if msg.round == self.late_round:
-                        huge = np.full(n, 1e6, dtype=np.float32)
-                        self.link.publish(up, self._update(msg, msg.round - 1, msg.model_version - 1, huge))
-                    self.link.publish(up, self._update(msg, msg.round, msg.model_version, np.zeros(n, np.float32)))
-                elif isinstance(msg, Stop):
-                    self.stopped_by_server.set()
-                    return
-        except BaseException as exc:  # surfaced by the test
-            self.error = exc
-        finally:
-            self.link.stop()
+    return respond
 
 
 def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, digits, tmp_path: Path) -> None:
@@ -341,14 +327,14 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
     link = LinkConfig(broker.url, broker.server.username, broker.server.password)
     out = tmp_path / "run"
     orch = Orchestrator(config, link, Evaluator(digits.model, digits.test), digits.model, out)
-    fake = FakeClient(broker, orch.topics, "c0", late_round=2)
-    fake.thread.start()
+    creds = broker.devices["c0"]
+    fake = FakeDevice.over_mqtt(broker.url, creds.username, creds.password, job, "c0", 50, late_then_valid("c0", 2))
+    fake.start()
     try:
         summary = orch.run()
     finally:
-        fake.stop.set()
-        fake.thread.join(timeout=30)
-    assert not fake.thread.is_alive()
+        fake.stop(timeout=30)
+    assert not fake._thread.is_alive()
     assert fake.error is None, fake.error
     assert fake.stopped_by_server.is_set()
     assert [(a.round, a.model_version) for a in fake.assignments] == [(1, 0), (2, 1), (3, 2)]
@@ -370,5 +356,5 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
 
 def test_update_claiming_more_steps_than_told_is_rejected(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c0", local_steps=3))  # told 2: FedNova/FedVeca would overweight it
-    assert orch.link.rejections == {"invalid_field": 1}
+    assert orch.link.rejections == {"steps": 1}
     assert orch.current.received == {}

@@ -12,6 +12,8 @@ import pytest
 
 from edge_client import protocol as P
 
+V = P.PROTOCOL_VERSION
+
 
 def _assignment(**kw: Any) -> P.Assignment:
     args: dict[str, Any] = dict(
@@ -25,10 +27,13 @@ def _assignment(**kw: Any) -> P.Assignment:
         model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
         weights=np.arange(10, dtype=np.float32),
         alpha=0.5,
-        params={"beta": 0.9, "flag": True, "mode": "x"},
+        settings={"beta": 0.9, "flag": True, "mode": "x"},
         arrays={"c": np.full(10, 0.25, np.float32), "c_global": np.ones(10, np.float32)},
+        momentum=0.5,
+        weight_decay=5e-4,
         upload=False,
         seed=7,
+        run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
     return P.Assignment(**args)
@@ -48,6 +53,7 @@ def _update(**kw: Any) -> P.Update:
         metrics={"cpu_temp_c": 51.2, "serialise_s": 0.01},
         extras={"beta": 0.3},
         arrays={"dc": np.full(12, -2.0, np.float32)},
+        run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
     return P.Update(**args)
@@ -63,13 +69,15 @@ def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail:
 
 MESSAGES = [
     _assignment(),
-    _assignment(arrays={}, alpha=None, params={}),
+    _assignment(arrays={}, alpha=None, settings={}),
     _update(),
     _update(arrays={}, metrics={}, extras={}),
     P.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
     P.Presence("server", True, role="server", reason="start"),
     P.Presence("pi-01", False, reason="lost"),
     P.Stop("done"),
+    P.Stop("done", run_id="3f2a9c1b7d4e"),
+    P.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
 ]
 
 
@@ -116,7 +124,7 @@ def test_empty_vector_and_nd_extra_array() -> None:
 def test_read_header_offset() -> None:
     payload = P.encode(_update())
     header, off = P.read_header(payload)
-    assert header["t"] == "update" and header["v"] == 1 and len(payload) - off == 4 * (12 + 12)
+    assert header["t"] == "update" and header["v"] == P.PROTOCOL_VERSION and len(payload) - off == 4 * (12 + 12)
     assert [a[0] for a in header["a"]] == ["delta", "x:dc"]
 
 
@@ -145,15 +153,15 @@ GOOD = bytes(P.encode(_update()))
         (b"", ("truncated",)),
         (GOOD[:20], ("truncated",)),
         (msgpack.packb([1, "update", "x"]), ("map", "list")),
-        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "zz": 1}), ("zz",)),
+        (msgpack.packb({"v": V, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "zz": 1}), ("zz",)),
         (msgpack.packb({"t": "stop", "id": "a" * 32, "f": {}}), ("'v'",)),
-        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32}), ("'f'",)),
-        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": []}), ("'f'",)),
-        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": {}}), ("'a'",)),
-        (msgpack.packb({"v": 1, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": [["x"]]}), ("array",)),
-        (msgpack.packb({"v": 1, "t": "stop", "f": {1: 2}}), ("msgpack",)),  # non-str map key
-        (msgpack.packb({"v": 1, "t": "stop", "f": {"reason": msgpack.ExtType(1, b"x")}}), ("msgpack",)),
-        (msgpack.packb({"v": 1, "t": "stop", "f": {"reason": "x" * (P.MAX_HEADER_BYTES + 10)}}), ("65536",)),
+        (msgpack.packb({"v": V, "t": "stop", "id": "a" * 32}), ("'f'",)),
+        (msgpack.packb({"v": V, "t": "stop", "id": "a" * 32, "f": []}), ("'f'",)),
+        (msgpack.packb({"v": V, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": {}}), ("'a'",)),
+        (msgpack.packb({"v": V, "t": "stop", "id": "a" * 32, "f": {"reason": "x"}, "a": [["x"]]}), ("array",)),
+        (msgpack.packb({"v": V, "t": "stop", "f": {1: 2}}), ("msgpack",)),  # non-str map key
+        (msgpack.packb({"v": V, "t": "stop", "f": {"reason": msgpack.ExtType(1, b"x")}}), ("msgpack",)),
+        (msgpack.packb({"v": V, "t": "stop", "f": {"reason": "x" * (P.MAX_HEADER_BYTES + 10)}}), ("65536",)),
     ],
 )
 def test_malformed(payload: bytes, words: tuple[str, ...]) -> None:
@@ -161,7 +169,7 @@ def test_malformed(payload: bytes, words: tuple[str, ...]) -> None:
 
 
 def test_version_and_type() -> None:
-    _reject(_edit(GOOD, lambda h: h.update(v=2)), P.UnsupportedVersion, "version", "expected 1", "got 2")
+    _reject(_edit(GOOD, lambda h: h.update(v=1)), P.UnsupportedVersion, "version", "expected 2", "got 1")
     _reject(_edit(GOOD, lambda h: h.update(v=True)), P.UnsupportedVersion, "True")
     _reject(_edit(GOOD, lambda h: h.update(t="gossip")), P.UnknownMessageType, "gossip")
     _reject(_edit(GOOD, lambda h: h.update(t=["update"])), P.UnknownMessageType, "['update']")

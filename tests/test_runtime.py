@@ -12,16 +12,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, get_flat, num_params
-from edge_client.protocol import Assignment, Hello, Message, Presence, Stop, Update, encode
+from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
-from edge_client.trainer import train_local
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
 
@@ -174,7 +174,7 @@ def test_two_rounds_with_a_custom_model_factory(broker: Broker, job: str, server
     assert seen == [SPEC]  # the factory got the spec from the wire, once: the model is reused for the same spec
 
     # round 1's delta is what the trainer gives for that assignment, this client's data and sampler
-    expected = train_local(
+    expected = train_assignment(
         FlatModel(build_model(SPEC)), dataset, BatchSampler(len(dataset), 8, 2, CID), first, FedAvgClient()
     )
     np.testing.assert_allclose(update1.delta, expected.delta, rtol=1e-5, atol=1e-6)
@@ -190,7 +190,7 @@ def test_stop_on_broadcast_ends_run(broker: Broker, job: str, server: FakeServer
     assert (done.client_id, done.online, done.reason) == (CID, False, "done")
 
 
-def test_assignment_with_mismatched_model_is_skipped(
+def test_assignment_with_mismatched_model_is_reported_and_skipped(
     broker: Broker, job: str, server: FakeServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="edge_client.runtime")
@@ -203,12 +203,15 @@ def test_assignment_with_mismatched_model_is_skipped(
     server.send(assignment(1, 5, wrong, spec=SPEC))  # SPEC's model, OTHER_SPEC's weights
     server.send(assignment(2, 4, good, spec=SPEC))
 
-    # MQTT keeps one publisher's QoS 1 order and the client serves one assignment at a time: an update for
-    # round 1 would arrive before round 2's. The first update is round 2's, so round 1 produced none.
+    # MQTT keeps one publisher's QoS 1 order and the client serves one assignment at a time: round 1's answer
+    # arrives before round 2's. It is a failure report (the server stops waiting), not an update.
+    failure = server.expect(Failure, skip=(Hello,))
+    assert (failure.round, failure.client_id, failure.reason) == (1, CID, "assignment")
+    assert "parameters" in failure.detail
     update = server.expect(Update, skip=(Hello,))
     assert update.round == 2 and update.local_steps == 4
     runner.join()  # max_rounds=1: the skipped round did not count
     assert runner.client.rounds_done == 1
     done = server.expect(Presence, skip=(Hello,))
     assert done.reason == "done"
-    assert any("round 1" in r.getMessage() and "skipping" in r.getMessage() for r in caplog.records)
+    assert any("round 1" in r.getMessage() and "cannot serve" in r.getMessage() for r in caplog.records)

@@ -14,10 +14,7 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import MLP, get_flat, num_params, set_flat
-from edge_client.protocol import Assignment
-from edge_client.trainer import TrainResult, train_local
-
-SPEC = {"name": "mlp", "in_features": 8, "num_classes": 3, "hidden": [16]}
+from edge_client.trainer import Plan, TrainResult, train_local
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -30,19 +27,8 @@ def make_dataset(n: int = 64, seed: int = 1) -> ArrayDataset:
     return ArrayDataset(rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 3, size=n))
 
 
-def make_assignment(weights: np.ndarray, local_steps: int = 5, lr: float = 0.1, seed: int = 0) -> Assignment:
-    return Assignment(
-        round=1,
-        model_version=0,
-        local_steps=local_steps,
-        lr=lr,
-        batch_size=8,
-        deadline_s=60.0,
-        algorithm="fedavg",
-        model=dict(SPEC),
-        weights=weights,
-        seed=seed,
-    )
+def make_plan(local_steps: int = 5, lr: float = 0.1) -> Plan:
+    return Plan(local_steps, lr, batch_size=8, round=1)
 
 
 class CountingAlgorithm(ClientAlgorithm):
@@ -73,13 +59,11 @@ def run(
     seed: int = 0,
     start: np.ndarray | None = None,
 ) -> tuple[TrainResult, nn.Module, np.ndarray]:
-    model = make_model(seed=123)  # a different init: train_local must load the assignment's weights
+    model = make_model(seed=123)  # a different init: train_local must load the weights it is given
     weights = start if start is not None else get_flat(make_model(seed=0))
     dataset = make_dataset()
     sampler = BatchSampler(len(dataset), 8, seed, client_id)
-    result = train_local(
-        FlatModel(model), dataset, sampler, make_assignment(weights, local_steps, seed=seed), algorithm
-    )
+    result = train_local(FlatModel(model), weights, dataset, sampler, make_plan(local_steps), algorithm)
     return result, model, weights
 
 
@@ -124,9 +108,7 @@ def test_delta_is_descent_positive() -> None:
     start = get_flat(model)
     sampler = BatchSampler(len(dataset), 8, 0, "c0")
     idx = BatchSampler(len(dataset), 8, 0, "c0").next()  # the batch train_local will draw
-    result = train_local(
-        FlatModel(model), dataset, sampler, make_assignment(start, local_steps=1, lr=0.05), FedAvgClient()
-    )
+    result = train_local(FlatModel(model), start, dataset, sampler, make_plan(local_steps=1, lr=0.05), FedAvgClient())
     probe = make_model()
     set_flat(probe, start)
     xb, yb = torch.from_numpy(dataset.x[idx]), torch.from_numpy(dataset.y[idx])
@@ -166,14 +148,12 @@ def test_correct_hook_that_zeroes_gradients_leaves_delta_zero() -> None:
     assert math.isfinite(result.train_loss)
 
 
-def test_starts_from_the_assignment_weights_not_the_model() -> None:
-    # Zero gradients: the model must end exactly at the assignment's weights, whatever it held before.
+def test_starts_from_the_given_weights_not_the_model() -> None:
+    # Zero gradients: the model must end exactly at the weights given, whatever it held before.
     model = make_model(seed=7)
     before = get_flat(model)
     start = get_flat(make_model(seed=8))
     assert not np.array_equal(before, start)
     dataset = make_dataset()
-    train_local(
-        FlatModel(model), dataset, BatchSampler(len(dataset), 8, 0, "c0"), make_assignment(start, 2), ZeroGradients()
-    )
+    train_local(FlatModel(model), start, dataset, BatchSampler(len(dataset), 8, 0, "c0"), make_plan(2), ZeroGradients())
     np.testing.assert_array_equal(get_flat(model), start)

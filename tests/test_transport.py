@@ -20,6 +20,7 @@ import pytest
 from edge_client import chunking
 from edge_client.protocol import (
     Assignment,
+    Failure,
     Hello,
     Message,
     MessageTooLarge,
@@ -150,6 +151,7 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
     upward: list[Message] = [
         Hello(client_id="c1", num_samples=1797, device={"hostname": "pi", "cpu_count": 4, "temp_c": 51.5}),
         make_update("c1", 1000),
+        Failure(round=3, client_id="c1", reason="train_error", detail="out of memory", run_id="run-1"),
         Presence(client_id="c1", online=False, reason="connection lost"),
     ]
     for msg in upward:
@@ -170,15 +172,18 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
         model={"name": "mlp", "in_features": 64, "num_classes": 10},
         weights=np.linspace(-1, 1, 5000, dtype=np.float32),
         alpha=0.5,
-        params={"mu": 0.01},
+        settings={"zeta": 0.01},
         arrays={"c": np.ones(4, dtype=np.float32)},
+        momentum=0.5,
+        weight_decay=5e-4,
         upload=False,
         seed=7,
+        run_id="run-1",
     )
     downward: list[tuple[str, Message]] = [
         (topics.down("c1"), assignment),
         (topics.down("c1"), Stop(reason="you are done")),
-        (topics.broadcast, Stop(reason="training finished")),
+        (topics.broadcast, Stop(reason="training finished", run_id="run-1")),
         (topics.server, Presence(client_id="server", online=True, role="server")),
     ]
     for topic, msg in downward:
@@ -258,6 +263,22 @@ def test_chunk_size_shrinks_to_the_broker_limit(broker: Broker, links: LinkFacto
     _, got = receive(receiver)
     assert_same(got, update)
     assert not receiver.rejections
+
+
+def test_a_configured_limit_below_the_advertised_one_wins(broker: Broker, links: LinkFactory) -> None:
+    """`LinkConfig.max_packet_size` (for brokers that advertise none, e.g. ejabberd): the smaller limit applies."""
+    topics = new_topics()
+    limit = broker.settings.max_packet_size // 8
+    receiver = links(broker.server, [topics.all_up])
+    sender = links(broker.devices["c4"], [topics.down("c4")], chunk_size=limit, max_packet_size=limit)
+    assert sender.max_packet_size == limit < broker.settings.max_packet_size
+    assert sender.chunk_size() < limit
+    update = make_update("c4", limit // 2)  # two packets' worth of floats
+    with pytest.raises(MessageTooLarge):
+        sender.publish(topics.up("c4"), encode(update), chunked=False)
+    sender.publish(topics.up("c4"), encode(update))
+    _, got = receive(receiver)
+    assert_same(got, update)
 
 
 def test_frame_over_the_limit_raises_before_anything_is_sent(broker: Broker, links: LinkFactory) -> None:

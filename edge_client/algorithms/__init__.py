@@ -1,4 +1,4 @@
-"""Client halves of the aggregation algorithms, one file each, looked up by the name in the assignment."""
+"""Client halves of the aggregation algorithms, one file each with its contract, looked up by the assignment's name."""
 
 from __future__ import annotations
 
@@ -17,14 +17,26 @@ from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.algorithms.stem import StemClient
 from edge_client.algorithms.taco import TacoClient
+from edge_client.contract import Contract
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {
-    cls.name: cls
+    cls.contract.name: cls
     for cls in (
         FedAvgClient, FedProxClient, FoolsGoldClient, ScaffoldClient, StemClient, FedACGClient, TacoClient,
         FedProxTacoClient, ScaffoldTacoClient, DragClient, DragBRClient, FedUmfClient, FedNovaClient, FedVecaClient,
     )
 }  # fmt: skip
+
+
+#: Every algorithm's contract by name: what config validation, ``--help`` and the docs table are made from.
+CONTRACTS: dict[str, Contract] = {name: cls.contract for name, cls in CLIENT_ALGORITHMS.items()}
+
+
+def contract_of(name: str) -> Contract:
+    try:
+        return CONTRACTS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(CONTRACTS)}") from None
 
 
 def client_algorithm(name: str) -> ClientAlgorithm:

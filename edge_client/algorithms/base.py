@@ -3,19 +3,23 @@
 Corrections are applied analytically to the flat gradient vector (one or two vector operations per step), never by
 adding a regulariser to the loss and back-propagating it. The trainer owns the loop; an algorithm says only what
 differs from FedAvg. Sign convention (ALGORITHMS.md C1): the upload is ``delta = w_t - w_end``, descent-positive.
+What the server sends and what comes back is declared once in the algorithm's :class:`Contract`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
+from edge_client.contract import Contract, ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment
+
+if TYPE_CHECKING:
+    from edge_client.trainer import Plan
 
 
 @dataclass
@@ -28,27 +32,34 @@ class LocalContext:
 
     flat: FlatModel
     start: torch.Tensor
-    assignment: Assignment
+    plan: Plan
     dataset: ArrayDataset
     sampler: BatchSampler
 
-    def param(self, name: str, default: Any = None) -> Any:
-        """An algorithm parameter sent by the server, or ``default``."""
-        return self.assignment.params.get(name, default)
+    def setting(self, name: str) -> Any:
+        """A setting or per-round value the server sent (checked against the contract when the plan was made)."""
+        return self.plan.settings[name]
+
+    def has_array(self, name: str) -> bool:
+        return name in self.plan.arrays
 
     def array(self, name: str) -> torch.Tensor:
-        """A per-client vector sent with the assignment (a torch view of the wire array, read-only)."""
+        """A vector sent with the assignment (a torch view of the wire array, read-only)."""
         try:
-            arr = self.assignment.arrays[name]
+            arr = self.plan.arrays[name]
         except KeyError:
-            raise ValueError(f"{self.assignment.algorithm}: the assignment carries no array {name!r}") from None
+            raise ContractError(f"the plan carries no array {name!r}") from None
         return torch.from_numpy(np.array(arr, dtype=np.float32, copy=not arr.flags.writeable))
 
 
 class ClientAlgorithm:
     """FedAvg's client half is the empty behaviour: plain SGD, upload ``delta`` only."""
 
-    name: ClassVar[str] = "fedavg"
+    contract: ClassVar[Contract]
+
+    @property
+    def name(self) -> str:
+        return self.contract.name
 
     def begin_round(self, ctx: LocalContext) -> None:
         """After the global weights are loaded, before the first local step (may move the start point)."""
@@ -57,7 +68,7 @@ class ClientAlgorithm:
         """After backward, before the optimiser step: adjust ``ctx.flat.grad`` in place."""
 
     def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Scalars and vectors to upload beside ``delta``; also the place to update state kept across rounds."""
+        """Values and vectors to upload beside ``delta``; also the place to update state kept across rounds."""
         return {}, {}
 
     def state_dict(self) -> dict[str, np.ndarray]:

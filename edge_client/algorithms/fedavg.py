@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.contract import Contract, weighting
+
+CONTRACT = Contract(
+    "fedavg",
+    "K local SGD steps per client; the server averages the updates",
+    settings=(weighting("uniform"),),
+)
 
 
 class FedAvgClient(ClientAlgorithm):
-    name = "fedavg"
+    contract = CONTRACT

@@ -2,13 +2,25 @@
 
 With plain SGD, ``G_i = (1/tau_i) sum_lambda g_lambda = delta_i / (eta tau_i)`` exactly, so the client uploads only
 ``delta`` (the wire's descent-positive difference) and the server normalises it with the steps the update reports
-(``Update.local_steps``); ``D_i`` travels as ``Update.num_samples``. Nothing is kept across rounds.
+(``Update.local_steps``); ``D_i`` is what the client declared when it registered. Nothing is kept across rounds.
 """
 
 from __future__ import annotations
 
 from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.contract import Contract, Setting
+
+CONTRACT = Contract(
+    "fednova",
+    "each client runs floor(E*D_i/B) local steps; the server averages step-normalised updates",
+    settings=(
+        Setting("epochs", float, 1.0, "E: local epochs, tau_i = floor(E D_i / B)", low=0.0, low_open=True),
+        Setting("local_steps_mode", str, "epochs", "tau_i from the client's data size, or train.local_steps for all",
+                choices=("epochs", "fixed")),
+    ),
+    unequal_steps=True,
+)  # fmt: skip
 
 
 class FedNovaClient(FedAvgClient):
-    name = "fednova"
+    contract = CONTRACT

@@ -2,43 +2,43 @@
 
 The prox term's gradient ``zeta (w - w_t)`` is added analytically to the mini-batch gradient (2.2 (g)
 [RECOMMENDED]); it is never put into the loss. ``zeta * w_t`` is computed once per round, so a step costs two in-place
-vector operations: ``grad += zeta * w`` then ``grad -= zeta * w_t``.
+vector operations: ``grad += zeta * w`` then ``grad -= zeta * w_t``. ``zeta`` is TACO's name for the original
+FedProx ``mu`` (2.2 (f)1).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Contract, Setting, weighting
+
+ZETA = Setting("zeta", float, 0.1, "prox coefficient: clients minimise f_i(w) + zeta/2 ||w - w_t||^2", low=0.0,
+               device=True)  # fmt: skip
+
+CONTRACT = Contract(
+    "fedprox",
+    "FedAvg with a proximal term zeta/2 ||w - w_t||^2 in each client's local objective",
+    settings=(ZETA, weighting("uniform")),
+)
 
 
 class FedProxClient(ClientAlgorithm):
-    """Reads ``zeta`` from the assignment every round (the server may send each client its own value).
+    """No state across rounds: the scaled prox centre lives only for the round. Subclasses change the coefficient or
+    the centre by overriding ``coefficient`` / ``centre`` (FedACG does both, TACO's tailored variant the first)."""
 
-    No state across rounds: the scaled prox centre lives only for the round. Subclasses change the coefficient or
-    the centre by overriding ``coefficient`` / ``centre`` (FedACG does both).
-    """
-
-    name = "fedprox"
-    coefficient_name = "zeta"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self._coef = 0.0
         self._scaled_centre: torch.Tensor | None = None  # coef * centre, for this round only
 
     def coefficient(self, ctx: LocalContext) -> float:
-        """The prox coefficient of this round, as sent by the server (a missing value is an error, not 0)."""
-        value = ctx.param(self.coefficient_name)
-        if value is None:
-            raise ValueError(f"{self.name}: the assignment carries no {self.coefficient_name!r}")
-        coef = float(value)
-        if not math.isfinite(coef) or coef < 0:
-            raise ValueError(f"{self.name}: {self.coefficient_name} must be a finite number >= 0; got {value!r}")
-        return coef
+        """The prox coefficient of this round."""
+        return float(ctx.setting("zeta"))
 
     def centre(self, ctx: LocalContext) -> torch.Tensor:
         """The prox centre: the model as received, ``w_t`` (2.2 (a); round 0: ``w_0``)."""

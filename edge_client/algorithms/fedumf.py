@@ -9,9 +9,9 @@ the paper). The trainer measures ``delta = w_t - w_end`` against the received ``
 client's delta contains the fused increment, exactly as the paper's uploaded ``theta_{t+1}^i`` does (2.9 (e)).
 
 Round 1 is a no-op (no stored increment, (f)4); the increment stored after a fused round starts at the fused point
-((f)6). Momentum/weight decay come from the assignment (the trainer's optimiser), so the increment includes them
-((f)7). The stored increment survives a restart through ``state_dict`` (the runtime saves it after every round).
-"""
+((f)6). Momentum/weight decay are the run's local optimiser (``train.momentum``/``train.weight_decay``, the paper's 0.5
+and 5e-4 in its suite), so the increment includes them ((f)7). The stored increment survives a restart through
+``state_dict`` (the runtime saves it after every round)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,29 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Contract, Setting, Value, weighting
 
 log = logging.getLogger("edgefl.client")
 
+CONTRACT = Contract(
+    "fedumf",
+    "partial participation; unselected clients train too and fuse their stored update when selected",
+    settings=(
+        Setting("alpha", float, 1.0, "fusion coefficient (0 switches fusion off, an ablation)", low=0.0, high=1.0,
+                device=True),
+        Setting("lr_decay", float, 1.0, "eta_t = lr * lr_decay**(t-1)", low=0.0, low_open=True),
+        Setting("local_unit", str, "steps", "K counts train.local_steps ('steps') or local epochs ('epochs')",
+                choices=("steps", "epochs")),
+        Setting("epochs", int, 1, "local epochs when local_unit = 'epochs'", low=1),
+        weighting("samples"),
+    ),
+    sends_values=(Value("lr_prev", "eta_{t-1}, for the fusion factor alpha eta_t / eta_{t-1}", low=0.0,
+                        example=0.01),),
+)  # fmt: skip
+
 
 class FedUmfClient(ClientAlgorithm):
-    name = "fedumf"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self.stored: torch.Tensor | None = None  # increment g = w_end - w_start of round ``stored_round``
@@ -37,8 +54,8 @@ class FedUmfClient(ClientAlgorithm):
         self._w0: torch.Tensor | None = None  # the (possibly fused) start point of this round
 
     def begin_round(self, ctx: LocalContext) -> None:
-        t = ctx.assignment.round
-        selected = bool(ctx.assignment.upload)
+        t = ctx.plan.round
+        selected = bool(ctx.plan.upload)
         self.fused_coefficient = 0.0
         # i in S_t ∩ S_{t-1}^c, with the increment computed in round t-1 (not staler than one round).
         if selected and self.stored is not None and self.stored_round == t - 1 and not self.stored_selected:
@@ -47,9 +64,7 @@ class FedUmfClient(ClientAlgorithm):
                     "fedumf: stored update has %d values, the model %d; not fused", self.stored.numel(), ctx.flat.size
                 )
             else:
-                alpha = float(ctx.param("alpha", 1.0))
-                lr = float(ctx.param("lr", ctx.assignment.lr))
-                lr_prev = float(ctx.param("lr_prev", lr))
+                alpha, lr, lr_prev = float(ctx.setting("alpha")), ctx.plan.lr, float(ctx.setting("lr_prev"))
                 coefficient = alpha * (lr / lr_prev) if lr_prev > 0 else alpha
                 ctx.flat.params.add_(self.stored, alpha=coefficient)
                 self.fused_coefficient = coefficient
@@ -63,8 +78,8 @@ class FedUmfClient(ClientAlgorithm):
         if self.stored is None or self.stored.numel() != ctx.flat.size:
             self.stored = torch.empty_like(ctx.flat.params)
         torch.sub(ctx.flat.params, self._w0, out=self.stored)
-        self.stored_round = int(ctx.assignment.round)
-        self.stored_selected = bool(ctx.assignment.upload)
+        self.stored_round = int(ctx.plan.round)
+        self.stored_selected = bool(ctx.plan.upload)
         return {}, {}
 
     def state_dict(self) -> dict[str, np.ndarray]:

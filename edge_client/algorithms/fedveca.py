@@ -13,8 +13,30 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Array, Contract, Setting, Value
 
 EPS = 1e-12
+
+CONTRACT = Contract(
+    "fedveca",
+    "FedNova-style averaging; per-client local steps adapted from local smoothness estimates",
+    settings=(
+        Setting("alpha_k", float, 0.95, "alpha_k of eq. 15", low=0.0, high=1.0, low_open=True, high_open=True),
+        Setting("tau_max", int, 50, "largest local steps a client is given", low=1),
+        Setting("tau_min_reset", int, 2, "the steps given when eq. 15 yields tau <= 1 (at most tau_max)", low=1),
+        Setting("tau_init", int, 0, "local steps of the first two rounds (0: floor(1 / (1 - alpha_k)))", low=0),
+    ),
+    sends_values=(Value("P", "||grad F(w_{k-1})||^2 (0 in the first round)", example=1.0),),
+    returns=(
+        Array("grad", "grad F_i(w_k) over the client's whole local data"),
+        Array("G", "(1/tau) sum of the local mini-batch gradients"),
+    ),
+    returns_values=(  # bounded far above honest estimates (units of 1 to 10^3 on the shipped models)
+        Value("beta", "local smoothness estimate (Alg. 2 lines 15-16)", high=1e9),
+        Value("delta", "local gradient divergence estimate (Alg. 2 lines 17-18)", high=1e9),
+    ),
+    unequal_steps=True,
+)  # fmt: skip
 
 
 class FedVecaClient(ClientAlgorithm):
@@ -30,7 +52,7 @@ class FedVecaClient(ClientAlgorithm):
     and ``delta = dnum / P`` at the end, ``P = ||grad F(w_{k-1})||^2`` sent by the server in ``params["P"]`` (the
     algorithm's version with the *previous* global gradient, (f)4; max commutes with the positive factor 1/P). Rounds
     without ``P`` (k = 0) upload ``delta = 0``; tau = 1 gives ``beta = delta = 0`` ((f)3, (f)5). A term with
-    ``||w_k - w^lam|| < 1e-12`` is skipped (C5). ``tau = assignment.local_steps`` (the trainer runs exactly that many).
+    ``||w_k - w^lam|| < 1e-12`` is skipped (C5). ``tau = plan.steps`` (the trainer runs exactly that many).
 
     Memory: three d-vectors of its own (``h``, ``S``, one scratch vector) allocated once and reused every round, beside
     the trainer's ``w_k`` (``ctx.start``), ``w`` and ``g``: five d-vectors in all, independent of tau. ``beta`` mixes
@@ -39,7 +61,7 @@ class FedVecaClient(ClientAlgorithm):
     The full gradient leaves BatchNorm running statistics unchanged (C6). No state survives a round.
     """
 
-    name = "fedveca"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self._h: torch.Tensor | None = None  # grad F_i(w_k), full local data set
@@ -85,8 +107,8 @@ class FedVecaClient(ClientAlgorithm):
 
     def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         h, s, _ = self._buffers(ctx.flat.size)
-        tau = max(1, ctx.assignment.local_steps)
-        p = float(ctx.param("P", 0.0) or 0.0)
+        tau = max(1, ctx.plan.steps)
+        p = float(ctx.setting("P"))
         extras = {"beta": self._beta, "delta": self._dnum / p if p > 0 else 0.0}
         arrays = {"grad": h.numpy().copy(), "G": (s / tau).numpy()}  # copies: the buffers are reused next round
         return extras, arrays

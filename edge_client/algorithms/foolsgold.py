@@ -1,9 +1,23 @@
-"""FoolsGold client half (ALGORITHMS.md 2.3 (a)): identical to FedAvg; the calibration happens on the server."""
+"""FoolsGold client half (ALGORITHMS.md 2.3): FedAvg's client; all of it happens on the server."""
 
 from __future__ import annotations
 
 from edge_client.algorithms.fedavg import FedAvgClient
+from edge_client.contract import Contract, Setting
+
+CONTRACT = Contract(
+    "foolsgold",
+    "FedAvg with each update weighted by its clipped cosine to the mean update (TACO's FoolsGold)",
+    settings=(
+        Setting("clip_negative", bool, True, "rho_i = max(0, cos) (2.3 (f)3)"),
+        Setting("reference", str, "current_mean", "the direction updates are compared with (2.3 (f)1)",
+                choices=("current_mean", "prev_global")),
+        Setting("extra_1_over_N", bool, False, "multiply the step by 1/|S_t| (the printed extra 1/N, [LITERAL])"),
+        Setting("fixed_point_iters", int, 1, "evaluations of rho, each against the previous rho-weighted aggregate",
+                low=1),
+    ),
+)  # fmt: skip
 
 
 class FoolsGoldClient(FedAvgClient):
-    name = "foolsgold"
+    contract = CONTRACT

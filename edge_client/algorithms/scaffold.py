@@ -7,7 +7,7 @@ Per step ``v = g + alpha (c - c_i)``: the correction is constant within a round,
 [RECOMMENDED]: the difference, so the server needs no copy of every ``c_i``).
 
 ``c_i^new`` is committed only once the server has aggregated the update that carried its ``delta_c``: the server
-says in every assignment which of this client's rounds it last aggregated (params["last_aggregated"], 0 = none),
+says in every assignment which of this client's rounds it last aggregated (the value ``last_aggregated``, 0 = none),
 and a pending ``c_i^new`` of another round (the update was rejected, late or lost with a broker) is discarded.
 Otherwise ``c`` would drift from the mean of the ``c_i`` by ``delta_c / N`` per lost update. An assignment without
 ``last_aggregated`` (hand-made, the benchmark) commits at once, as the original algorithm does.
@@ -15,24 +15,41 @@ Otherwise ``c`` would drift from the mean of the ``c_i`` by ``delta_c / N`` per 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Array, Contract, Setting, Value, weighting
+
+CONTRACT = Contract(
+    "scaffold",
+    "control variates: clients step along g + alpha (c - c_i); the server averages deltas and updates c",
+    settings=(
+        Setting("alpha", float, 1.0, "scale of the correction c - c_i", device=True),
+        weighting("uniform"),
+        Setting("c_mean_over", str, "contributors", "c is the mean c_i of the clients whose updates were aggregated, "
+                "or of every registered client (2.4 (b))", choices=("contributors", "registered")),
+    ),
+    sends=(Array("c", "the server's control variate c", scope="global"),),
+    sends_values=(
+        Value("last_aggregated", "the last round whose update from this client went into c (0: none)", integer=True,
+              required=False),
+    ),
+    returns=(Array("delta_c", "c_i^new - c_i^old"),),
+)  # fmt: skip
 
 
 class ScaffoldClient(ClientAlgorithm):
     """Keeps ``c_i`` (zeros until the first round, 2.4 (d)); it survives restarts through ``state_dict``.
 
-    ``alpha`` is read from the assignment every round, so the server may send each client its own coefficient.
+    ``coefficient`` is the correction's scale (TACO's tailored variant overrides it).
     A round in which no step ran leaves ``c_i`` unchanged (``delta / (0 * eta_l)`` is undefined) and uploads
     ``delta_c = 0``. ``pending`` is ``(round, c_i^new)`` until the server's next assignment settles it.
     """
 
-    name = "scaffold"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self.c_i: np.ndarray | None = None  # float32, the model's size
@@ -41,14 +58,8 @@ class ScaffoldClient(ClientAlgorithm):
         self._steps = 0
         self.pending: tuple[int, np.ndarray] | None = None
 
-    def alpha(self, ctx: LocalContext) -> float:
-        value = ctx.param("alpha")
-        if value is None:
-            raise ValueError("scaffold: the assignment carries no 'alpha'")
-        alpha = float(value)
-        if not math.isfinite(alpha):
-            raise ValueError(f"scaffold: alpha must be finite; got {value!r}")
-        return alpha
+    def coefficient(self, ctx: LocalContext) -> float:
+        return float(ctx.setting("alpha"))
 
     def settle(self, last_aggregated: int) -> None:
         """Commit the pending ``c_i^new`` if the server aggregated the round it came from, else drop it."""
@@ -59,16 +70,14 @@ class ScaffoldClient(ClientAlgorithm):
             self.pending = None
 
     def begin_round(self, ctx: LocalContext) -> None:
-        last = ctx.param("last_aggregated")
+        last = ctx.plan.settings.get("last_aggregated")
         if last is not None:
             self.settle(int(last))
         c = ctx.array("c")
-        if c.shape != ctx.start.shape:
-            raise ValueError(f"scaffold: c has shape {tuple(c.shape)}, the model {tuple(ctx.start.shape)}")
         if self.c_i is None or self.c_i.shape != (ctx.flat.size,):
             self.c_i = np.zeros(ctx.flat.size, dtype=np.float32)
         self._c = c.numpy()
-        alpha = self.alpha(ctx)
+        alpha = self.coefficient(ctx)
         correction = c.sub(torch.from_numpy(self.c_i)).mul_(alpha)
         self._correction = correction if alpha and bool(correction.any()) else None  # round 0: c = c_i = 0
         self._steps = 0
@@ -84,14 +93,12 @@ class ScaffoldClient(ClientAlgorithm):
             delta_c = np.zeros_like(self.c_i)
         else:
             # c_i^new - c_i = delta / (K_i eta_l) - c
-            delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.assignment.lr) - self._c).astype(
-                np.float32
-            )
+            delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.plan.lr) - self._c).astype(np.float32)
             c_i = self.c_i + delta_c
-            if ctx.param("last_aggregated") is None:
+            if ctx.plan.settings.get("last_aggregated") is None:
                 self.c_i = c_i
             else:
-                self.pending = (ctx.assignment.round, c_i)
+                self.pending = (ctx.plan.round, c_i)
         self._c, self._correction = None, None
         return {}, {"delta_c": delta_c}
 

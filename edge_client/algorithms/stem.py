@@ -21,11 +21,28 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Array, Contract, Setting, weighting
 from edge_client.flat import FlatModel
+
+CONTRACT = Contract(
+    "stem",
+    "STEM: clients step along a two-gradient momentum v; the server adds the mean v to the average",
+    settings=(
+        Setting("alpha", float, 0.2, "alpha_t, momentum parameter of the client recursion (constant, 2.5 (f)2)",
+                low=0.0, high=1.0, device=True),
+        Setting("server_v_coeff", float, 1.0, "multiplies mean_i v_i in the server rule (1.0 = literal, 2.5 (f)3)"),
+        Setting("init", str, "grad", "step-0 direction: v_0 = g_0 ('grad') or from the server's v_bar "
+                "('server_avg')", choices=("grad", "server_avg"), device=True),
+        weighting("uniform"),
+    ),
+    sends=(Array("v_bar", "the weighted mean of last round's v_i (init = 'server_avg')", required=False,
+                 scope="global"),),
+    returns=(Array("v", "v_{K-1}, the last momentum direction"),),
+)  # fmt: skip
 
 
 class StemClient(ClientAlgorithm):
-    name = "stem"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self._twin: FlatModel | None = None  # params hold w_{k-1}
@@ -43,17 +60,14 @@ class StemClient(ClientAlgorithm):
         return twin
 
     def begin_round(self, ctx: LocalContext) -> None:
-        alpha = float(ctx.param("alpha", 0.2))
-        self._decay = 1.0 - alpha
+        self._decay = 1.0 - float(ctx.setting("alpha"))
         self._twin_for(ctx.flat)
         if self._v is None or self._v.numel() != ctx.flat.size:
             self._v = torch.zeros_like(ctx.flat.params)
         self._v.zero_()
         self._v_bar = None
-        if ctx.param("init", "grad") == "server_avg" and "v_bar" in ctx.assignment.arrays:
-            self._v_bar = ctx.array("v_bar").reshape(-1)
-            if self._v_bar.numel() != ctx.flat.size:
-                raise ValueError(f"stem: v_bar has {self._v_bar.numel()} values, the model {ctx.flat.size}")
+        if ctx.setting("init") == "server_avg" and ctx.has_array("v_bar"):
+            self._v_bar = ctx.array("v_bar")
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         assert self._twin is not None and self._v is not None

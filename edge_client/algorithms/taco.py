@@ -1,17 +1,23 @@
 """TACO client half (ALGORITHMS.md 2.7 (a), eq. 8): SGD plus the constant tailored correction.
 
-Each local step uses ``g + gamma (1 - alpha_i^t) Delta_t``; the term is constant within the round, so it is computed
-once in ``begin_round`` and added to the flat gradient with one ``add_`` per step.
+Each local step uses ``g + gamma (1 - alpha_i^t) Delta_t``, with ``alpha_i^t`` the assignment's ``alpha``; the term is
+constant within the round, so it is computed once in ``begin_round`` and added to the flat gradient with one ``add_``
+per step. ``gamma = 0`` means ``1/K`` with K this round's local steps, and ``eta_g = K * eta_l`` (C2).
 
 ``Delta_t`` is the previous global gradient at per-step scale ((f)1, (f)2): the server's ``arrays["global_delta"]``
 when sent, else derived as ``(w_{t-1} - w_t) / eta_g`` from the model this client received for version ``v - 1``
 (kept across rounds, and across restarts through ``state_dict``), else - version 0 (``Delta_0 = 0``, (f)5), or the
 previous model is not the immediately preceding version - no correction this round (logged). With
 ``delta_scale = "model_diff"`` the term uses ``eta_g * Delta_t = w_{t-1} - w_t`` instead ((f)1 option).
+
+The contract here is TACO's whole contract, server settings included (expulsion, output z); the tailored FedProx and
+SCAFFOLD variants reuse ``ALPHA_INIT``, ``ALPHA_REFERENCE`` and ``tailored``. ``tailored_correction = false``
+(Table VI's ablation) makes the device run eq. 4's plain SGD.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -19,50 +25,97 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
+from edge_client.contract import Array, Contract, Setting
 
 log = logging.getLogger("edgefl.client")
 
+#: alpha_i^0: the TACO coefficient of a client that has not uploaded yet (Algorithm 2's initialisation)
+ALPHA_INIT = Setting("alpha_init", float, 0.1, "alpha_i of a client before its first upload", low=0.0, high=1.0,
+                     high_open=True)  # fmt: skip
+#: what eq. 7's cosine is taken against (ALGORITHMS.md 2.7 (f)4; docs/algorithms.md says why "mean" is the default)
+ALPHA_REFERENCE = Setting("alpha_reference", str, "mean",
+                          "eq. 7's cosine against the mean upload ('mean', the equation) or the global update the "
+                          "clients were sent ('previous_global', the prose)",
+                          choices=("mean", "previous_global"))  # fmt: skip
+
+CONTRACT = Contract(
+    "taco",
+    "tailored per-client correction (alpha_i), alpha-weighted aggregation, freeloader expulsion",
+    settings=(
+        Setting("gamma", float, 0.0, "largest correction factor of eq. 8 (0: 1/K)", low=0.0, device=True),
+        Setting("kappa", float, 0.6, "eq. 10: a client whose alpha_i reaches kappa gets a strike", low=0.0, high=1.0),
+        Setting("lambda_expel", int, 0, "strikes before expulsion (0: round(rounds / 5))", low=0),
+        Setting("rounds", int, 0, "T, the run's total rounds, for the lambda default (0: taken from run.rounds)",
+                low=0),
+        ALPHA_INIT,
+        Setting("send_global_delta", bool, False, "always send Delta_t instead of letting clients derive it"),
+        Setting("delta_scale", str, "per_step", "Delta_t at per-step scale, or the model difference ((f)1)",
+                choices=("per_step", "model_diff"), device=True),
+        Setting("output", str, "z", "also evaluate eq. 15's z ('z') or only w ('w')", choices=("z", "w")),
+        Setting("expel_strictly_greater", bool, False, "expel when strikes > lambda instead of >="),
+        Setting("drop_on_expel_round", bool, False, "drop an expelled client's update of its expulsion round"),
+        ALPHA_REFERENCE,
+        Setting("tailored_correction", bool, True, "eq. 8's correction on the device (false: plain SGD, Table VI)",
+                device=True),
+        Setting("tailored_aggregation", bool, True, "eq. 9's alpha weights (false: uniform average, Table VI)"),
+    ),
+    sends=(Array("global_delta", "Delta_t at per-step scale, for clients that cannot derive it", required=False,
+                 scope="global"),),
+    uses_alpha=True,
+)  # fmt: skip
+
+
+def tailored_contract(base: Contract, description: str) -> Contract:
+    """``base`` with TACO's alpha_i tailoring its correction (2.7 (f)13): the assignments carry alpha_i, and the
+    server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
+    settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
+    return dataclasses.replace(
+        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True
+    )
+
+
+def tailored(coefficient: float, ctx: LocalContext) -> float:
+    """``coefficient (1 - alpha_i)``: TACO's tailoring of a correction by the client's own alpha (eq. 8, (f)13)."""
+    alpha = ctx.plan.alpha
+    return coefficient * (1.0 - alpha) if alpha is not None else coefficient
+
 
 class TacoClient(ClientAlgorithm):
-    name = "taco"
+    contract = CONTRACT
 
     def __init__(self) -> None:
         self.prev_weights: np.ndarray | None = None  # the last global model received (w_{t-1} next round)
         self.prev_version = -1
         self.corr: torch.Tensor | None = None  # gamma (1 - alpha_i) Delta_t for the current round
 
-    def global_delta(self, ctx: LocalContext) -> torch.Tensor | None:
+    def global_delta(self, ctx: LocalContext, eta_g: float) -> torch.Tensor | None:
         """``Delta_t`` at per-step scale, or None when there is nothing to correct with."""
-        a = ctx.assignment
-        eta_g = float(ctx.param("eta_g", a.local_steps * a.lr))
-        if "global_delta" in a.arrays:
-            delta = ctx.array("global_delta")
-            if delta.numel() != ctx.flat.size:
-                raise ValueError(f"taco: global_delta has {delta.numel()} values, the model {ctx.flat.size}")
-            return delta
-        if a.model_version == 0:
+        plan = ctx.plan
+        if ctx.has_array("global_delta"):
+            return ctx.array("global_delta")
+        if plan.model_version == 0:
             return None  # Delta_0 = 0
         prev = self.prev_weights
-        if prev is not None and self.prev_version == a.model_version - 1 and prev.size == ctx.flat.size:
+        if prev is not None and self.prev_version == plan.model_version - 1 and prev.size == ctx.flat.size:
             return torch.from_numpy(prev).sub(ctx.start).div_(eta_g)
         log.warning(
             "round %d: taco: no global delta (model version %d, last model seen %d); no correction this round",
-            a.round,
-            a.model_version,
+            plan.round,
+            plan.model_version,
             self.prev_version,
         )
         return None
 
     def begin_round(self, ctx: LocalContext) -> None:
-        a = ctx.assignment
-        alpha = float(a.alpha if a.alpha is not None else ctx.param("alpha_init", 0.1))
-        gamma = float(ctx.param("gamma", 1.0 / max(1, a.local_steps)))
-        coef = gamma * (1.0 - alpha)
-        if ctx.param("delta_scale", "per_step") == "model_diff":
-            coef *= float(ctx.param("eta_g", a.local_steps * a.lr))
-        delta = self.global_delta(ctx) if coef else None  # gamma 0: no correction (Table VI's ablation)
+        plan = ctx.plan
+        eta_g = plan.steps * plan.lr
+        gamma = float(ctx.setting("gamma")) or 1.0 / max(1, plan.steps)
+        coef = tailored(gamma, ctx) if ctx.setting("tailored_correction") else 0.0  # off: plain SGD (Table VI)
+        if ctx.setting("delta_scale") == "model_diff":
+            coef *= eta_g
+        delta = self.global_delta(ctx, eta_g) if coef else None  # coefficient 0: nothing to correct with
         self.corr = None if delta is None else delta.mul(coef)
-        self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(a.model_version)
+        self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(plan.model_version)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         if self.corr is not None:

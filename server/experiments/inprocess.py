@@ -26,9 +26,11 @@ from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import prepare_process
 from edge_client.transport import Inbox, LinkConfig
+from server.assembly import make_orchestrator
 from server.config import RunConfig
+from server.experiments.attacks import behaviour
 from server.experiments.datasets import DatasetBundle
-from server.experiments.simulate import behaviours, client_ids, client_state_dirs, make_orchestrator, roles_summary
+from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.inprocess")
@@ -95,7 +97,7 @@ class LocalLink(Inbox):
         return any(topic_matches_sub(sub, topic) for sub in self.subscriptions)
 
     def put(self, topic: str, payload: bytes) -> None:
-        self._inbox.put((topic, payload))
+        self._offer(topic, payload)
 
     def pending(self) -> bool:
         return not self._inbox.empty()
@@ -156,8 +158,8 @@ def run_inprocess(
             job=config.run.job,
             threads=config.clients.threads,
             state_dir=state_dirs[cid],
-            behaviour=roles[cid],
             link_factory=bus.connect,
+            train=behaviour(roles[cid], cid),
         )
         bus.add_client(client)
     orchestrator = make_orchestrator(

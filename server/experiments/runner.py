@@ -22,9 +22,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edge_client.transport import LinkConfig
+from server.assembly import split_clients
 from server.experiments.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
-from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes, split_clients
+from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 from server.experiments.suites import RunSpec, Suite
 from server.experiments.tables import write_report
 

@@ -7,7 +7,6 @@ number of torch threads so that two cores are shared predictably.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -18,20 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_client.data import ArrayDataset
-from edge_client.transport import Link, LinkConfig
+from edge_client.transport import LinkConfig
+from server.assembly import make_orchestrator
+from server.checkpoint import resumes
 from server.config import RunConfig
-from server.evaluation import Evaluator
 from server.experiments.datasets import (
     DatasetBundle,
     format_histograms,
     label_histograms,
     partition_bundle,
-    split_root,
     write_shards,
 )
-from server.orchestrator import Orchestrator, RoundObserver, resumes
-from server.strategies import TrainSettings, make_strategy
+from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
 
@@ -81,52 +78,6 @@ def roles_summary(config: RunConfig) -> dict[str, list[str]]:
     }
 
 
-def make_orchestrator(
-    config: RunConfig,
-    bundle: DatasetBundle,
-    out_dir: Path,
-    *,
-    link_config: LinkConfig | None = None,
-    link: Link | None = None,
-    root: Any = None,
-    observer: RoundObserver | None = None,
-    extra: dict[str, Any] | None = None,
-) -> Orchestrator:
-    """The server for ``bundle``: the configured model (or the data set's default), evaluated on its test split."""
-    spec = {**bundle.input_stats, **config.model} if config.model else bundle.model
-    summary_extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
-    return Orchestrator(
-        config,
-        link_config,  # type: ignore[arg-type]  # unused when ``link`` is given
-        Evaluator(spec, bundle.test),
-        spec,
-        out_dir,
-        observer=observer,
-        summary_extra={**summary_extra, **(extra or {})},
-        root=root,
-        link=link,
-    )
-
-
-def root_size(config: RunConfig) -> int:
-    """Samples the algorithm wants as the server's own root data set (DRAG-BR), 0 for the others.
-
-    It builds the strategy, so invalid algorithm parameters fail here, before anything is started.
-    """
-    t = config.train
-    settings = TrainSettings(t.local_steps, t.lr, t.batch_size)
-    return make_strategy(t.algorithm, settings, config.algorithm_params()).root_size()
-
-
-def split_clients(config: RunConfig, bundle: DatasetBundle) -> tuple[DatasetBundle, ArrayDataset | None]:
-    """The bundle whose training set the clients share, and the root data set the algorithm needs (held by none)."""
-    size = root_size(config)
-    if not size:
-        return bundle, None
-    root, train = split_root(bundle.train, size, config.run.seed)
-    return dataclasses.replace(bundle, train=train), root
-
-
 def client_state_dirs(out_dir: Path, client_ids: list[str]) -> dict[str, Path]:
     """Where simulated clients keep their algorithm state (SCAFFOLD's c_i, FedUmf's stored update) across restarts.
 
@@ -142,13 +93,16 @@ def client_state_dirs(out_dir: Path, client_ids: list[str]) -> dict[str, Path]:
 
 def start_clients(
     config: RunConfig,
-    url: str,
+    url: str | dict[str, str],
     logins: dict[str, ClientLogin],
     shards: list[Path],
     out_dir: Path,
     ca_file: str | None = None,
 ) -> dict[str, subprocess.Popen]:
-    """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``."""
+    """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``.
+
+    ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster).
+    """
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
@@ -158,13 +112,15 @@ def start_clients(
     state_dirs = client_state_dirs(out_dir, ids)
     for cid, shard in zip(ids, shards, strict=True):
         login = logins[cid]
+        # a dishonest client is the device's own command line with its training wrapped (attacks.py)
+        entry = ["edge_client.cli"] if roles[cid] == "honest" else ["server.experiments.attacks", roles[cid]]
         cmd = [
             sys.executable,
             "-m",
-            "edge_client.cli",
+            *entry,
             "run",
             "--broker",
-            url,
+            url if isinstance(url, str) else url[cid],
             "--client-id",
             cid,
             "--username",
@@ -179,11 +135,11 @@ def start_clients(
             str(config.broker.chunk_size),
             "--state-dir",
             str(state_dirs[cid]),
-            "--behaviour",
-            roles[cid],
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
+        if config.broker.max_packet_size:
+            cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
         env = {
             **os.environ,
             "EDGEFL_PASSWORD": login.password,

@@ -263,7 +263,7 @@ def plot_alphas(record: dict[str, Any], path: Path) -> None:
         if client in excluded:
             ax.plot(xs[-1], ys[-1], marker="x", color="black", markersize=8)
     if record["algorithm"] == "taco":
-        kappa = record.get("params", {}).get("kappa", Taco.defaults["kappa"])
+        kappa = record.get("params", {}).get("kappa", Taco.contract.setting("kappa").default)
         ax.axhline(kappa, color="grey", linestyle=":", linewidth=1, label=f"kappa {kappa:g}")
     ax.set_xlabel("round")
     ax.set_ylabel("alpha_i (eq. 7) from the round's uploads")

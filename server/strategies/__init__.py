@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.strategies.base import Instructions, ServerContext, Strategy, TrainSettings
+from server.strategies.base import ServerContext, Strategy, TrainSettings
 from server.strategies.drag import Drag
 from server.strategies.drag_br import DragBR
 from server.strategies.fedacg import FedACG
@@ -21,14 +21,14 @@ from server.strategies.stem import Stem
 from server.strategies.taco import Taco
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
+    cls.contract.name: cls
     for cls in (
         FedAvg, FedProx, FoolsGold, Scaffold, Stem, FedACG, Taco, FedProxTaco, ScaffoldTaco,
         Drag, DragBR, FedUmf, FedNova, FedVeca,
     )
 }  # fmt: skip
 
-__all__ = ["STRATEGIES", "Instructions", "ServerContext", "Strategy", "TrainSettings", "make_strategy"]
+__all__ = ["STRATEGIES", "ServerContext", "Strategy", "TrainSettings", "make_strategy"]
 
 
 def make_strategy(
@@ -40,6 +40,6 @@ def make_strategy(
     except KeyError:
         raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(STRATEGIES)}") from None
     params = dict(params or {})
-    if rounds and "rounds" in cls.defaults and "rounds" not in params:
+    if rounds and any(s.name == "rounds" for s in cls.contract.settings) and not params.get("rounds"):
         params["rounds"] = rounds
     return cls(settings, params, seed)

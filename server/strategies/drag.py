@@ -17,16 +17,14 @@ Degenerate norms ((f)5, C5): ``|g_m| = 0`` gives ``v_m = 0`` (the formula itself
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
+from edge_client.algorithms.drag import ANGLE_APPROX, CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import EPS, cosine
-
-#: eq. 10 as printed (arccos(x) ~ pi/2 (1 - x)); the paper's alternative arccos(x) ~ pi/2 - x; the exact angle.
-ANGLE_APPROX = ("linear_pi_over_2", "linear_unit", "exact_arccos")
 
 
 def degree_of_divergence(cos: float, c: float, approx: str) -> float:
@@ -37,31 +35,17 @@ def degree_of_divergence(cos: float, c: float, approx: str) -> float:
         return c * (1.0 - (2.0 / math.pi) * cos)
     if approx == "exact_arccos":
         return c * math.acos(min(1.0, max(-1.0, cos))) / (math.pi / 2.0)
-    raise ValueError(f"angle_approx must be one of {list(ANGLE_APPROX)}; got {approx!r}")
-
-
-def check_fraction(name: str, key: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}.{key} must be in [0, 1]; got {value!r}")
+    raise ValueError(f"angle_approx must be one of {list(ANGLE_APPROX.choices)}; got {approx!r}")
 
 
 class Drag(Strategy):
-    """DRAG with a momentum reference (eq. 6, 8, 10, 11).
+    """DRAG with a momentum reference (eq. 6, 8, 10, 11); with ``alpha = 1`` the reference is simply last round's
+    aggregate ``Delta^{t-1}`` ((f)3)."""
 
-    Defaults ``c = 0.1``, ``alpha = 1.0``: the paper's CIFAR-10 full-participation values (2.8 (d); EMNIST uses
-    ``c = 0.25``; partial participation uses ``alpha = 0.6`` (EMNIST) / ``0.2`` (CIFAR-10) — set them in the config).
-    With ``alpha = 1`` the reference is simply last round's aggregate ``Delta^{t-1}`` ((f)3).
-    """
-
-    name = "drag"
-    description = "FedAvg clients; the server drags each update toward a momentum reference direction (DRAG)"
-    defaults: ClassVar[dict[str, Any]] = {"c": 0.1, "alpha": 1.0, "angle_approx": "linear_pi_over_2"}
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {"angle_approx": ANGLE_APPROX}
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        check_fraction(self.name, "c", self.params["c"])
-        check_fraction(self.name, "alpha", self.params["alpha"])
         self.r: np.ndarray | None = None  # reference for the next aggregation (increment convention)
         self._lambdas: dict[str, float] = {}
 

@@ -1,7 +1,7 @@
 """FedACG server half (ALGORITHMS.md 2.0 lines 5/19/22, 2.6; [RECOMMENDED] "original" mode after Kim, Kim, Han,
 CVPR 2024), in the descent-positive convention with ``m_0 = 0``:
 
-    original:      clients start from the look-ahead w_hat_t = w_t - lambda m_t (sent as Instructions.weights),
+    original:      clients start from the look-ahead w_hat_t = w_t - lambda m_t (the assignment's weights),
                    prox centre w_hat_t, delta_i = w_hat_t - w_{i,K}
                    m_next = lambda m_t + sum_i p_i delta_i          p_i = D_i / D (``weighting = "samples"``, line 22)
                    w_next = w_t - m_next  (= w_hat_t - sum_i p_i delta_i)
@@ -19,52 +19,34 @@ Round 1: ``m = 0``, so every client gets the global model itself and (original m
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from edge_client.protocol import Update
-from server.strategies.base import Instructions, Strategy, TrainSettings
+from edge_client.algorithms.fedacg import CONTRACT
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class FedACG(Strategy):
     """Server state: ``m`` and the look-ahead model (both checkpointed as arrays)."""
 
-    name = "fedacg"
-    description = "server momentum with a look-ahead model that clients start from and stay close to (prox beta)"
-    defaults: ClassVar[dict[str, Any]] = {
-        "beta": 0.001,
-        "server_momentum": 0.85,
-        "weighting": "samples",
-        "mode": "original",
-        "include_K": False,
-    }
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "weighting": ("uniform", "samples"),
-        "mode": ("original", "taco_literal"),
-    }
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        beta, lam = self.params["beta"], self.params["server_momentum"]
-        if not math.isfinite(beta) or beta < 0:
-            raise ValueError(f"{self.name}.beta must be a finite number >= 0; got {beta!r}")
-        if not 0 <= lam < 1:
-            raise ValueError(f"{self.name}.server_momentum must be in [0, 1); got {lam!r}")
         self.m: np.ndarray | None = None  # None until the first aggregation (m_0 = 0)
         self.lookahead: np.ndarray | None = None  # w_t - lambda m_t, None while it is w_0 itself
 
-    def instructions(self, round_: int, client_id: str) -> Instructions:
-        instr = super().instructions(round_, client_id)
-        instr.params["beta"] = float(self.params["beta"])
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)
         if self.lookahead is not None:
             if self.params["mode"] == "original":
-                instr.weights = self.lookahead
+                a.weights = self.lookahead
             else:
-                instr.arrays["centre"] = self.lookahead
-        return instr
+                a.arrays["centre"] = self.lookahead
+        return a
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         lam = np.float32(self.params["server_momentum"])

@@ -7,20 +7,16 @@ With ``eta_g = K * eta_l`` the update is ``w_next = w - sum_i p_i delta_i`` over
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import numpy as np
 
+from edge_client.algorithms.fedavg import CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Strategy
 from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class FedAvg(Strategy):
-    name = "fedavg"
-    description = "K local SGD steps per client; the server averages the updates"
-    defaults: ClassVar[dict[str, Any]] = {"weighting": "uniform"}
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {"weighting": ("uniform", "samples")}
+    contract = CONTRACT
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         p = aggregation_weights(updates, self.params["weighting"])

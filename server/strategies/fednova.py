@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from edge_client.protocol import InvalidField, Update
-from server.strategies.base import Instructions, Strategy, TrainSettings
+from edge_client.algorithms.fednova import CONTRACT
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, weighted_sum
 
 log = logging.getLogger("edgefl.server")
@@ -34,15 +35,10 @@ class FedNova(Strategy):
     (ALGORITHMS.md 6 #24's resolution for FedVeca's tau).
     """
 
-    name = "fednova"
-    description = "each client runs floor(E*D_i/B) local steps; the server averages step-normalised updates"
-    defaults: ClassVar[dict[str, Any]] = {"epochs": 1.0, "local_steps_mode": "epochs"}
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {"local_steps_mode": ("epochs", "fixed")}
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        if not self.params["epochs"] > 0:
-            raise ValueError(f"{self.name}.epochs must be > 0; got {self.params['epochs']!r}")
         self._tau: dict[str, int] = {}
         self._tau_k = 0.0
 
@@ -57,14 +53,10 @@ class FedNova(Strategy):
             return s.local_steps
         return max(1, math.floor(self.params["epochs"] * d_i / s.batch_size + 1e-9))
 
-    def instructions(self, round_: int, client_id: str) -> Instructions:
-        s = self.settings
-        return Instructions(local_steps=self.local_steps_for(client_id), lr=s.lr, batch_size=s.batch_size)
-
-    def check_update(self, update: Update) -> None:
-        super().check_update(update)
-        if update.local_steps < 1:
-            raise InvalidField(f"{update.client_id}: {self.name} needs local_steps >= 1; got {update.local_steps}")
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)
+        a.local_steps = self.local_steps_for(client_id)
+        return a
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         p = aggregation_weights(updates, "samples")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from edge_client.protocol import Update
-from server.strategies.base import Instructions, Strategy, TrainSettings
+from edge_client.algorithms.fedveca import CONTRACT
+from edge_client.contract import ContractError
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import EPS, aggregation_weights, weighted_sum
 
 log = logging.getLogger("edgefl.server")
@@ -54,29 +56,21 @@ class FedVeca(Strategy):
       kept, not ``w_{k-1}, w_{k-2}, grad F(w_{k-2})``. L is only a diagnostic (``eta tau_k L``, Fig. 4); alpha_k stays
       fixed, with a warning when it leaves the admissible range ``alpha_k < 2L/m``; ``enforce_alpha_range`` is not
       implemented.
-    * Downlink: ``local_steps = tau_(k,i)`` and ``params["P"] = ||grad F(w_{k-1})||^2`` (0 in round k = 0), the scalar
+    * Downlink: ``local_steps = tau_(k,i)`` and the value ``P = ||grad F(w_{k-1})||^2`` (0 in round k = 0), the scalar
       form of Alg. 1 line 9 ((f)13); the client needs only that norm for delta ((f)4).
     """
 
-    name = "fedveca"
-    description = "FedNova-style averaging; per-client local steps adapted from local smoothness estimates"
-    defaults: ClassVar[dict[str, Any]] = {"alpha_k": 0.95, "tau_max": 50, "tau_min_reset": 2, "tau_init": 0}
-    required_extras: ClassVar[tuple[str, ...]] = ("beta", "delta")
-    required_arrays: ClassVar[tuple[str, ...]] = ("grad", "G")
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
         self.alpha_k: float = self.params["alpha_k"]
         self.tau_max: int = self.params["tau_max"]
         self.tau_min_reset: int = self.params["tau_min_reset"]
-        if not 0.0 < self.alpha_k < 1.0:
-            raise ValueError(f"fedveca.alpha_k must be in (0, 1); got {self.alpha_k}")
-        if self.tau_max < 1:
-            raise ValueError(f"fedveca.tau_max must be >= 1; got {self.tau_max}")
-        if not 1 <= self.tau_min_reset <= self.tau_max:
-            raise ValueError(f"fedveca.tau_min_reset must be in [1, tau_max]; got {self.tau_min_reset}")
-        if self.params["tau_init"] < 0:
-            raise ValueError(f"fedveca.tau_init must be >= 0 (0: the default rule); got {self.params['tau_init']}")
+        if self.tau_min_reset > self.tau_max:
+            raise ContractError(
+                f"fedveca.tau_min_reset = {self.tau_min_reset}: expected at most fedveca.tau_max ({self.tau_max})"
+            )
         rule = math.floor(1.0 / (1.0 - self.alpha_k) + 1e-9)
         self.tau_init: int = min(self.tau_max, self.params["tau_init"] or rule)
         self.k = 0  # aggregations done = the FedVeca round index of the next aggregation
@@ -90,11 +84,11 @@ class FedVeca(Strategy):
         self._alpha_warned = False
 
     # -- downlink ----------------------------------------------------------------------------------------------------
-    def instructions(self, round_: int, client_id: str) -> Instructions:
-        s = self.settings
-        return Instructions(
-            local_steps=self.tau.get(client_id, self.tau_init), lr=s.lr, batch_size=s.batch_size, params={"P": self.P}
-        )
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)
+        a.local_steps = self.tau.get(client_id, self.tau_init)
+        a.settings["P"] = self.P
+        return a
 
     # -- aggregation -------------------------------------------------------------------------------------------------
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:

@@ -17,10 +17,11 @@ participation. This is not the original FoolsGold (Fung et al.), which keeps per
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
+from edge_client.algorithms.foolsgold import CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import EPS, cosine, normalise, weighted_sum
@@ -29,20 +30,10 @@ from server.strategies.common import EPS, cosine, normalise, weighted_sum
 class FoolsGold(Strategy):
     """Server state: nothing with the default reference; the previous global update with ``prev_global``."""
 
-    name = "foolsgold"
-    description = "FedAvg with each update weighted by its clipped cosine to the mean update (TACO's FoolsGold)"
-    defaults: ClassVar[dict[str, Any]] = {
-        "clip_negative": True,
-        "reference": "current_mean",
-        "extra_1_over_N": False,
-        "fixed_point_iters": 1,
-    }
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {"reference": ("current_mean", "prev_global")}
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        if self.params["fixed_point_iters"] < 1:
-            raise ValueError(f"{self.name}.fixed_point_iters must be >= 1; got {self.params['fixed_point_iters']}")
         self.prev_global: np.ndarray | None = None  # w_{t-1} - w_t, only with reference = "prev_global"
         self._last: dict[str, Any] = {}
 

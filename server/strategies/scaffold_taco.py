@@ -11,19 +11,12 @@ ignored. No tailored aggregation, expulsion or z output. SCAFFOLD's ``last_aggre
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
+from edge_client.algorithms.scaffold_taco import CONTRACT
 from server.strategies.scaffold import Scaffold
 from server.strategies.taco import TailoredCoefficients
 
 
 class ScaffoldTaco(TailoredCoefficients, Scaffold):
-    """[RECOMMENDED] mapping of (f)13 for SCAFFOLD; the client half is plain SCAFFOLD reading params["alpha"]."""
+    """[RECOMMENDED] mapping of (f)13 for SCAFFOLD: the device scales its correction by alpha (1 - alpha_i)."""
 
-    name = "scaffold-taco"
-    description = "SCAFFOLD with per-client coefficient alpha (1 - alpha_i), alpha_i TACO's eq. 7 coefficient"
-    defaults: ClassVar[dict[str, Any]] = {**Scaffold.defaults, **TailoredCoefficients.tailored_defaults}
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {**Scaffold.choices, **TailoredCoefficients.tailored_choices}
-
-    def alpha_for(self, client_id: str) -> float:
-        return float(self.params["alpha"]) * (1.0 - self.alpha_of(client_id))
+    contract = CONTRACT

@@ -17,48 +17,28 @@ Resolutions chosen (2.5 (f)):
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from edge_client.protocol import Update
-from server.strategies.base import Instructions, Strategy, TrainSettings
+from edge_client.algorithms.stem import CONTRACT
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, weighted_sum
 
 
 class Stem(Strategy):
-    name = "stem"
-    description = "STEM: clients step along a two-gradient momentum v; the server adds the mean v to the average"
-    defaults: ClassVar[dict[str, Any]] = {
-        "alpha": 0.2,  # alpha_t, momentum parameter of the client recursion (constant)
-        "server_v_coeff": 1.0,  # multiplies mean_i v_i in the server rule (1.0 = literal)
-        "init": "grad",  # step-0 direction: "grad" (v_0 = g_0) or "server_avg" (uses the server's v_bar)
-        "weighting": "uniform",  # p_i: "uniform" 1/|S_t| or "samples" D_i/D
-    }
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "init": ("grad", "server_avg"),
-        "weighting": ("uniform", "samples"),
-    }
-    required_arrays: ClassVar[tuple[str, ...]] = ("v",)
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        if not 0.0 <= self.params["alpha"] <= 1.0:
-            raise ValueError(f"{self.name}.alpha must be in [0, 1]; got {self.params['alpha']!r}")
         self.v_bar: np.ndarray | None = None  # weighted mean of the last aggregated round's v_i ("server_avg")
 
-    def instructions(self, round_: int, client_id: str) -> Instructions:
-        s, p = self.settings, self.params
-        arrays: dict[str, np.ndarray] = {}
-        if p["init"] == "server_avg" and self.v_bar is not None:
-            arrays["v_bar"] = self.v_bar
-        return Instructions(
-            local_steps=s.local_steps,
-            lr=s.lr,
-            batch_size=s.batch_size,
-            params={"alpha": p["alpha"], "init": p["init"]},
-            arrays=arrays,
-        )
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)
+        if self.params["init"] == "server_avg" and self.v_bar is not None:
+            a.arrays["v_bar"] = self.v_bar
+        return a
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         p = aggregation_weights(updates, self.params["weighting"])

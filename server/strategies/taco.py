@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from edge_client.protocol import Update
-from server.strategies.base import Instructions, ServerContext, Strategy, TrainSettings
+from edge_client.algorithms.taco import CONTRACT
+from edge_client.protocol import Assignment, Update
+from server.strategies.base import ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, cosine, normalise, weighted_sum
 
 log = logging.getLogger("edgefl.server")
-
-
-#: what eq. 7's cosine is taken against (ALGORITHMS.md 2.7 (f)4; issue 17)
-ALPHA_REFERENCES = ("mean", "previous_global")
-DEFAULT_ALPHA_REFERENCE = "mean"
 
 
 def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
@@ -54,7 +50,7 @@ class Taco(Strategy):
 
     Resolutions of ALGORITHMS.md 2.7 (f), all as [RECOMMENDED] unless noted:
     (1) ``delta_scale = "per_step"``: the client's ``Delta_t`` is gradient-scale, ``(w_{t-1} - w_t) / eta_g`` with
-    ``eta_g = K * eta_l`` (sent as params "eta_g"); "model_diff" is the investigation option.
+    ``eta_g = K * eta_l`` (the client computes it from its plan); "model_diff" is the investigation option.
     (2) Clients derive ``Delta_t`` from the two consecutive models they received. The server sends it as
     ``arrays["global_delta"]`` (per-step scale) when ``send_global_delta`` is true, or to any client that was not
     sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
@@ -76,10 +72,10 @@ class Taco(Strategy):
     gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
-    Table VI's ablation: ``tailored_correction = false`` sends ``gamma = 0``, so clients run eq. 4's plain SGD;
-    ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the alphas,
-    expulsion and z (the paper's row for both off on adult Dir(0.5), 78.88%, is its FedAvg figure in Table V).
-    Note: ``instructions`` records the client as a recipient of the current version (call it only when sending).
+    Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
+    is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
+    alphas, expulsion and z (the paper's row for both off on adult Dir(0.5), 78.88%, is its FedAvg figure in Table V).
+    Note: ``assign`` records the client as a recipient of the current version (call it only when sending).
 
     Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
     ``K = settings.local_steps`` (so the paper's grid value gamma = 0 is not expressible; use a tiny positive value);
@@ -87,35 +83,10 @@ class Taco(Strategy):
     in from the run config by whoever builds the strategy. If both are 0 the strategy warns once and never expels.
     """
 
-    name = "taco"
-    description = "tailored per-client correction (alpha_i), alpha-weighted aggregation, freeloader expulsion"
-    defaults: ClassVar[dict[str, Any]] = {
-        "gamma": 0.0,  # max correction factor; 0.0 = 1/K
-        "kappa": 0.6,  # eq. 10 threshold on alpha_i
-        "lambda_expel": 0,  # strikes before expulsion; 0 = round(rounds / 5)
-        "rounds": 0,  # total rounds T of the run (for the lambda default); filled from the run config
-        "alpha_init": 0.1,  # alpha_i^0
-        "send_global_delta": False,  # always send Delta_t instead of letting clients derive it
-        "delta_scale": "per_step",
-        "output": "z",
-        "expel_strictly_greater": False,
-        "drop_on_expel_round": False,
-        "alpha_reference": DEFAULT_ALPHA_REFERENCE,  # eq. 7's cosine against "mean" or "previous_global"
-        "tailored_correction": True,  # eq. 8's term; false: plain SGD (Table VI ablation)
-        "tailored_aggregation": True,  # eq. 9's weights; false: uniform (Table VI ablation)
-    }
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "delta_scale": ("per_step", "model_diff"),
-        "output": ("z", "w"),
-        "alpha_reference": ALPHA_REFERENCES,
-    }
+    contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
-        if self.params["lambda_expel"] < 0 or self.params["rounds"] < 0:
-            raise ValueError(f"{self.name}.lambda_expel and {self.name}.rounds must be >= 0")
-        if self.params["gamma"] < 0:
-            raise ValueError(f"{self.name}.gamma must be >= 0 (0 means 1/K)")
         self.alpha: dict[str, float] = {}  # latest alpha_i (eq. 7) per scored client
         self.strikes: dict[str, int] = {}
         self.expelled: list[str] = []  # in order of expulsion
@@ -158,17 +129,14 @@ class Taco(Strategy):
 
     # -- round loop --------------------------------------------------------------------------------------------
 
-    def instructions(self, round_: int, client_id: str) -> Instructions:
-        instr = super().instructions(round_, client_id)
-        instr.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
-        correct = self.params["tailored_correction"]  # off: gamma 0, the client runs plain SGD
-        gamma = self.gamma if correct else 0.0
-        instr.params = {"gamma": gamma, "eta_g": self.eta_g, "delta_scale": self.params["delta_scale"]}
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)
+        a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
         missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
-        if correct and self.last_step is not None and missed:
-            instr.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
+        if self.params["tailored_correction"] and self.last_step is not None and missed:
+            a.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
         self.last_sent[client_id] = self.version
-        return instr
+        return a
 
     def _strike(self, client_id: str, alpha: float) -> bool:
         """Eq. 10: count a strike when ``alpha >= kappa``; True when the client has reached the expulsion limit."""
@@ -276,13 +244,11 @@ class TailoredCoefficients:
     """Mixin for the (f)13 variants: tracks each client's TACO alpha_i (eq. 7) from every round's uploads.
 
     ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
-    alpha ((f)12). The host strategy turns it into its own per-client coefficient (zeta_i, SCAFFOLD's alpha_i). With
-    ``alpha_reference = "previous_global"`` the reference is the host's last global update ``w_{t-1} - w_t``.
+    alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
+    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
+    reference is the host's last global update ``w_{t-1} - w_t``.
     """
 
-    #: what a variant adds to its host's ``defaults`` and ``choices``
-    tailored_defaults: ClassVar[dict[str, Any]] = {"alpha_init": 0.1, "alpha_reference": DEFAULT_ALPHA_REFERENCE}
-    tailored_choices: ClassVar[dict[str, tuple[Any, ...]]] = {"alpha_reference": ALPHA_REFERENCES}
     params: dict[str, Any]
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
@@ -292,6 +258,11 @@ class TailoredCoefficients:
 
     def alpha_of(self, client_id: str) -> float:
         return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
+
+    def assign(self, round_: int, client_id: str) -> Assignment:
+        a = super().assign(round_, client_id)  # type: ignore[misc]
+        a.alpha = self.alpha_of(client_id)
+        return a
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
         reference = self.params["alpha_reference"]

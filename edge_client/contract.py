@@ -1,0 +1,303 @@
+"""What the two halves of an algorithm agree on, declared once per algorithm in its client file.
+
+A :class:`Contract` names an algorithm's settings (type, default, allowed range, one meaning each), the arrays and
+per-round values the server sends, and every array and value the device sends back, each with its bound. The server
+half, the device half, config validation, ``--help``, the settings table of docs/algorithms.md, the device benchmark
+and the server's admission of updates all read it, so no default, name or bound is written twice.
+
+Every violation raises :class:`ContractError` with one message shape: ``<algorithm>.<key> = <value>: expected
+<what is allowed>``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Default bound on the L2 norm of every model-sized array a device sends: orders of magnitude above any honest
+#: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
+#: or malicious one. Each array's bound can be overridden per algorithm (``max_norm_<array>``).
+DEFAULT_MAX_NORM = 1e4
+
+
+class ContractError(ValueError):
+    """A setting, array or value outside its algorithm's contract; ``reason`` feeds the rejection counters."""
+
+    reason = "contract"
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configurable setting: ``[algorithm.<name>] <setting> = value``.
+
+    ``device`` settings travel in every assignment (the device half reads them); the others only steer the server.
+    Numeric bounds are inclusive unless ``low_open``/``high_open``.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    meaning: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple[Any, ...] = ()
+    device: bool = False
+    inf_disables: bool = False  # ``inf`` is allowed and switches the limit off
+
+    def allowed(self) -> str:
+        """What is allowed, in words: ``a float in (0, 1]``, ``one of 'uniform', 'samples'``, ``true or false``."""
+        if self.kind is bool:
+            return "true or false"
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        kind = {int: "an integer", float: "a number", str: "a string"}[self.kind]
+        if self.low is not None and self.high is not None:
+            lo, hi = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"{kind} in {lo}{self.low:g}, {self.high:g}{hi}"
+        if self.low is not None:
+            inf = " (inf: no limit)" if self.inf_disables else ""
+            return f"{kind} {'>' if self.low_open else '>='} {self.low:g}{inf}"
+        if self.high is not None:
+            return f"{kind} {'<' if self.high_open else '<='} {self.high:g}"
+        return kind
+
+    def check(self, algorithm: str, value: Any) -> Any:
+        """``value`` as this setting's type (an int where a float is expected is taken), or ContractError."""
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        ok = type(value) is self.kind
+        if ok and self.kind in (int, float):
+            ok = math.isfinite(value) or (self.inf_disables and value == math.inf)
+            ok = ok and (self.low is None or (value > self.low if self.low_open else value >= self.low))
+            ok = ok and (self.high is None or (value < self.high if self.high_open else value <= self.high))
+        if ok and self.choices:
+            ok = value in self.choices
+        if not ok:
+            raise ContractError(f"{algorithm}.{self.name} = {_short(value)}: expected {self.allowed()}")
+        return value
+
+
+@dataclass(frozen=True)
+class Value:
+    """A number one half sends the other each round (not configured): FedVeca's ``P``, ``beta``, ``delta``, ...
+
+    Always finite and within ``[low, high]``; ``example`` stands in where no server sends it (a hand-made plan).
+    """
+
+    name: str
+    meaning: str
+    low: float = 0.0
+    high: float = math.inf
+    integer: bool = False
+    required: bool = True
+    example: float = 0.0
+
+    def check(self, algorithm: str, value: Any) -> float | int:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and self.low <= value <= self.high and (not self.integer or isinstance(value, int))
+        if not ok:
+            what = "an integer" if self.integer else "a finite number"
+            rng = f"[{self.low:g}, {self.high:g}]" if math.isfinite(self.high) else f">= {self.low:g}"
+            raise ContractError(f"{algorithm}.{self.name} = {_short(value)}: expected {what} {rng}")
+        return value
+
+
+@dataclass(frozen=True)
+class Array:
+    """A model-sized float32 vector one half sends the other.
+
+    ``max_norm`` bounds the L2 norm of what a device sends (configurable as ``max_norm_<name>``); ``scope`` says
+    whether the server sends the same vector to every client of a round (``"global"``) or one per client.
+    """
+
+    name: str
+    meaning: str
+    max_norm: float = DEFAULT_MAX_NORM
+    required: bool = True
+    scope: str = "client"
+
+
+def weighting(default: str) -> Setting:
+    """``p_i`` over the updates received (ALGORITHMS.md C3), shared by the algorithms that offer the choice."""
+    return Setting(
+        "weighting", str, default, "aggregation weights: 1/|S_t| ('uniform') or D_i/D ('samples')",
+        choices=("uniform", "samples"),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Contract:
+    """Everything an algorithm's server and device halves exchange, with its bounds.
+
+    ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
+    normalises each update by the steps its client took, so clients may be told different step counts.
+    """
+
+    name: str
+    description: str
+    settings: tuple[Setting, ...] = ()
+    sends: tuple[Array, ...] = ()
+    sends_values: tuple[Value, ...] = ()
+    returns: tuple[Array, ...] = ()
+    returns_values: tuple[Value, ...] = ()
+    uses_alpha: bool = False
+    unequal_steps: bool = False
+    _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        bounds = tuple(
+            Setting(f"max_norm_{a.name}", float, a.max_norm, f"largest L2 norm of '{a.name}' a device may send",
+                    low=0.0, low_open=True, inf_disables=True)
+            for a in self.returns
+        )  # fmt: skip
+        settings = self.settings + bounds
+        names = [s.name for s in settings] + [v.name for v in self.sends_values]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.name}: a setting or value is declared twice in {names}")
+        object.__setattr__(self, "_by_name", {s.name: s for s in settings})
+
+    @property
+    def all_settings(self) -> tuple[Setting, ...]:
+        """The declared settings plus one ``max_norm_<array>`` per array the device returns."""
+        return tuple(self._by_name.values())
+
+    def setting(self, name: str) -> Setting:
+        return self._by_name[name]
+
+    # -- configuration (server side) --------------------------------------------------------------------------------
+    def resolve(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Every setting of this algorithm: ``given`` (a config table) checked, the rest from the defaults."""
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(self._by_name))
+        if unknown:
+            valid = ", ".join(self._by_name) or "none"
+            raise ContractError(f"{self.name}.{unknown[0]}: not a setting of {self.name}; valid settings: {valid}")
+        return {s.name: s.check(self.name, given[s.name]) if s.name in given else s.default for s in self.all_settings}
+
+    def device_settings(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings sent in every assignment (the device half reads them; it holds no defaults of its own)."""
+        return {s.name: resolved[s.name] for s in self.all_settings if s.device}
+
+    def max_norm(self, resolved: Mapping[str, Any], array: str) -> float:
+        return float(resolved[f"max_norm_{array}"])
+
+    # -- what the server sends (device side) ------------------------------------------------------------------------
+    def read_sent(self, settings: Mapping[str, Any], arrays: Mapping[str, np.ndarray], size: int) -> dict[str, Any]:
+        """Check an assignment's settings, values and arrays against the contract; return the settings map.
+
+        Every device setting and every required value must be there (the server always sends them), nothing else
+        may be, and every array must be one the contract names, of the model's size.
+        """
+        known = {s.name: s for s in self.all_settings if s.device}
+        values = {v.name: v for v in self.sends_values}
+        for key in settings:
+            if key not in known and key not in values:
+                raise ContractError(f"{self.name}.{key}: the assignment carries a setting {self.name} does not declare")
+        out: dict[str, Any] = {}
+        for name, s in known.items():
+            if name not in settings:
+                raise ContractError(f"{self.name}.{name}: missing from the assignment; expected {s.allowed()}")
+            out[name] = s.check(self.name, settings[name])
+        for name, v in values.items():
+            if name in settings:
+                out[name] = v.check(self.name, settings[name])
+            elif v.required:
+                raise ContractError(f"{self.name}.{name}: missing from the assignment ({v.meaning})")
+        declared = {a.name: a for a in self.sends}
+        for name, arr in arrays.items():
+            if name not in declared:
+                raise ContractError(f"{self.name}.{name}: the assignment carries an array {self.name} does not declare")
+            if arr.shape != (size,):
+                raise ContractError(f"{self.name}.{name}: expected shape ({size},), got {arr.shape}")
+        missing = [a.name for a in self.sends if a.required and a.name not in arrays]
+        if missing:
+            raise ContractError(f"{self.name}.{missing[0]}: array missing from the assignment")
+        return out
+
+    def example_sent(self, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Plausible settings and values for a hand-made plan (defaults and examples); no server involved."""
+        out = self.device_settings(resolved or self.resolve())
+        return out | {v.name: v.example for v in self.sends_values if v.required}
+
+    # -- what the device returns (server side) ----------------------------------------------------------------------
+    def check_returned(
+        self, resolved: Mapping[str, Any], values: Mapping[str, Any], arrays: Mapping[str, np.ndarray], size: int
+    ) -> list[tuple[str, str]]:
+        """Problems of an update's values and arrays, as ``(reason, text)``; empty when it honours the contract.
+
+        Reasons: ``missing_field``, ``invalid_field`` (undeclared or out-of-range value), ``shape``, ``non_finite``,
+        ``norm`` (an array above its ``max_norm_<name>``).
+        """
+
+        def value_problems(name: str, v: Value, value: Any) -> list[tuple[str, str]]:
+            try:
+                v.check(self.name, value)
+            except ContractError as exc:
+                return [("invalid_field", str(exc))]
+            return []
+
+        def vector_problems(name: str, a: Array, arr: np.ndarray) -> list[tuple[str, str]]:
+            return array_problems(f"{self.name}.{name}", arr, size, self.max_norm(resolved, name))
+
+        return self._match("value", values, self.returns_values, value_problems) + self._match(
+            "array", arrays, self.returns, vector_problems
+        )
+
+    def _match(
+        self, kind: str, given: Mapping[str, Any], declared: tuple[Any, ...], check: Any
+    ) -> list[tuple[str, str]]:
+        """Undeclared entries, missing required ones, and ``check(name, spec, value)``'s problems for the others."""
+        specs = {d.name: d for d in declared}
+        problems = [("invalid_field", f"{self.name}.{k}: a {kind} {self.name} does not declare")
+                    for k in given if k not in specs]  # fmt: skip
+        for name, spec in specs.items():
+            if name in given:
+                problems += check(name, spec, given[name])
+            elif spec.required:
+                what = "array missing" if kind == "array" else "missing"
+                problems.append(("missing_field", f"{self.name}.{name}: {what} ({spec.meaning})"))
+        return problems
+
+
+def array_problems(label: str, arr: np.ndarray, size: int, max_norm: float) -> list[tuple[str, str]]:
+    """dtype, shape, finiteness and norm of one received vector, as ``(reason, text)`` pairs (empty: acceptable)."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
+        return [("invalid_field", f"{label}: expected float32, got {getattr(arr, 'dtype', type(arr).__name__)}")]
+    if arr.shape != (size,):
+        return [("shape", f"{label}: expected shape ({size},), got {arr.shape}")]
+    norm = float(np.linalg.norm(arr.astype(np.float64)))
+    if not math.isfinite(norm):
+        return [("non_finite", f"{label}: holds non-finite values")]
+    if norm > max_norm:
+        return [("norm", f"{label}: L2 norm {norm:.4g} exceeds its bound {max_norm:g}")]
+    return []
+
+
+def settings_rows(contracts: Iterable[Contract]) -> list[tuple[str, str, str, str, str, str]]:
+    """One row per setting: algorithm, setting, type, default, allowed, meaning (``--help`` and docs/algorithms.md)."""
+    rows = []
+    for c in contracts:
+        for s in c.all_settings:
+            where = "device" if s.device else "server"
+            rows.append((c.name, s.name, s.kind.__name__, _short(s.default), s.allowed(), f"{s.meaning} ({where})"))
+    return rows
+
+
+def settings_markdown(contracts: Iterable[Contract]) -> str:
+    """The settings table of docs/algorithms.md (a test keeps the document equal to this)."""
+    lines = ["| algorithm | setting | type | default | allowed | meaning |", "|---|---|---|---|---|---|"]
+    for row in settings_rows(contracts):
+        cells = [f"`{c}`" if i < 2 else c.replace("|", "\\|") for i, c in enumerate(row)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

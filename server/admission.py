@@ -1,0 +1,113 @@
+"""Admission: every update is judged against the round it was assigned for and its algorithm's contract before any
+strategy sees it.
+
+Nothing a device sends is trusted. An update is refused, with a reason code of its own, when it is late, of another run
+or for another round (``out_of_round``), from a client not selected (``out_of_round``), a repeat (``duplicate``),
+trained on a model version the round never sent (``model_version``), claims more local steps than it was told or none
+(``steps``), claims another sample count than its client registered with (``num_samples``: data-size weights come from
+the registration, never from an update), or carries a ``delta`` or any other array that is mis-shaped (``shape``), not
+finite (``non_finite``) or above its norm bound (``norm``: ``train.max_update_norm`` for ``delta``, ``max_norm_<array>``
+for the contract's arrays), or a value its contract does not declare, lacks or bounds
+(``invalid_field``/``missing_field``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_client.contract import Contract, array_problems
+from edge_client.protocol import (
+    DuplicateMessage,
+    InvalidField,
+    MissingField,
+    NonFiniteValues,
+    OutOfRound,
+    ProtocolError,
+    ShapeMismatch,
+    Update,
+)
+
+
+class UnknownModelVersion(OutOfRound):
+    """An update trained on a model version the round never sent."""
+
+    reason = "model_version"
+
+
+class AbsurdNorm(InvalidField):
+    """An array whose norm is far larger than any honest one."""
+
+    reason = "norm"
+
+
+class WrongSteps(InvalidField):
+    """More local steps than the client was told, or none."""
+
+    reason = "steps"
+
+
+class WrongSampleCount(InvalidField):
+    """An update claiming another sample count than its client registered with."""
+
+    reason = "num_samples"
+
+
+_BY_REASON: dict[str, type[ProtocolError]] = {
+    c.reason: c for c in (InvalidField, MissingField, ShapeMismatch, NonFiniteValues, AbsurdNorm)
+}
+
+
+@dataclass
+class RoundState:
+    """What admission needs to judge an update for the round in progress, and what it admitted."""
+
+    round: int
+    model_version: int
+    selected: set[str]
+    received: dict[str, Update] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    assigned_steps: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # client -> the reason it reported for not serving
+    deadline_s: float = 0.0
+
+
+class Admission:
+    """The gate between the link and the strategy, for one run's contract, settings and model size."""
+
+    def __init__(self, contract: Contract, params: Mapping[str, Any], num_params: int, max_update_norm: float) -> None:
+        self.contract = contract
+        self.params = params
+        self.num_params = num_params
+        self.max_update_norm = max_update_norm
+
+    def check(self, sender: str, update: Update, state: RoundState | None, registered: int | None, run_id: str) -> None:
+        """Raise the ProtocolError that rejects ``update``, or return when it may reach the strategy."""
+        if update.client_id != sender:
+            raise InvalidField(f"update on the topic of {sender!r} claims client id {update.client_id!r}")
+        if update.run_id != run_id:
+            raise OutOfRound(f"update from {sender} belongs to run {update.run_id!r}, not to this run {run_id!r}")
+        if state is None or update.round != state.round:
+            now = state.round if state else "no round"
+            raise OutOfRound(f"update from {sender} for round {update.round} arrived during round {now}; discarded")
+        if sender not in state.selected:
+            raise OutOfRound(f"{sender} was not selected for round {state.round}")
+        if sender in state.received:
+            raise DuplicateMessage(f"second update from {sender} for round {state.round}")
+        if update.model_version != state.model_version:
+            raise UnknownModelVersion(
+                f"{sender} trained on model version {update.model_version}, round {state.round} sent version "
+                f"{state.model_version}"
+            )
+        assigned = state.assigned_steps[sender]
+        if not 1 <= update.local_steps <= assigned:
+            raise WrongSteps(f"{sender} claims {update.local_steps} local steps; it was told {assigned}")
+        if update.num_samples != registered:
+            raise WrongSampleCount(f"{sender} claims {update.num_samples} samples; it registered with {registered}")
+        problems = array_problems(f"{sender}: delta", update.delta, self.num_params, self.max_update_norm)
+        if problems and problems[0][0] == "norm":
+            problems = [("norm", problems[0][1] + " (train.max_update_norm)")]
+        problems += self.contract.check_returned(self.params, update.extras, update.arrays, self.num_params)
+        if problems:
+            reason, text = problems[0]
+            raise _BY_REASON[reason](f"{sender}: {text}")
