@@ -56,6 +56,7 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
         threads=args.threads,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         train=train or train_local,
+        device_class=args.device_class,
     )
     client.run(max_rounds=args.max_rounds)
     return 0
@@ -167,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(SCAFFOLD's control variate, FedUmf's stored update)",
     )
     run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
+    run.add_argument(
+        "--device-class",
+        help="this device's class, e.g. pi4 (a fleet profile's name): the server reports compute and missed rounds "
+        "per class",
+    )
     run.set_defaults(func=cmd_run)
 
     fetch = sub.add_parser(

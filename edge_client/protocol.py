@@ -205,7 +205,22 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
-Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile
+@dataclass
+class ComputeReport:
+    """Client -> server: it trained ``local_steps`` steps for ``round`` without uploading (FedUmf's unselected
+    clients), so the fleet's compute counts them; its wall and CPU seconds as ``Update`` reports them."""
+
+    round: int
+    client_id: str
+    local_steps: int
+    compute_s: float
+    cpu_s: float
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "compute"
+
+
+Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | ComputeReport
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -325,6 +340,14 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "reason": ("reason", _TEXT),
     },
     "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
+    "compute": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "local_steps": ("local_steps", _int(1)),
+        "compute_s": ("compute_s", _float(0.0)),
+        "cpu_s": ("cpu_s", _float(0.0)),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
@@ -335,7 +358,9 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "sha256": ("sha256", _str(_SHA256_RE)),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk)}
+_CLASSES: dict[str, type] = {
+    c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk, ComputeReport)
+}
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
 _VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults

@@ -26,7 +26,7 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.protocol import Assignment, ComputeReport, Failure, Hello, Message, Presence, Stop, Update, encode
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -55,8 +55,10 @@ class EdgeClient:
         state_dir: Path | None = None,
         link_factory: LinkFactory | None = None,
         train: TrainFn = train_local,
+        device_class: str | None = None,
     ) -> None:
         self.client_id = validate_client_id(client_id)
+        self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
         self.topics = Topics(job)
         self.model_factory = model_factory
@@ -91,7 +93,8 @@ class EdgeClient:
             )
 
     def _say_hello(self) -> None:
-        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())
+        facts = device.device_info() | ({"device_class": self.device_class} if self.device_class else {})
+        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=facts)
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
     def run(self, max_rounds: int | None = None) -> None:
@@ -212,7 +215,10 @@ class EdgeClient:
             return
         self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
-        if not assignment.upload:
+        if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
+            report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,
+                                   result.cpu_s, run_id=assignment.run_id)  # fmt: skip
+            self.link.publish(self.topics.up(self.client_id), encode(report))
             self._mark_served(assignment)
             log.info(
                 "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",

@@ -13,6 +13,7 @@ from typing import Any
 from edge_client.data import ArrayDataset
 from edge_client.transport import Link, LinkConfig
 from server.config import RunConfig
+from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
 from server.experiments.datasets import DatasetBundle, split_root
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
@@ -50,6 +51,7 @@ def make_orchestrator(
     root: ArrayDataset | None = None,
     observer: RoundObserver | None = None,
     extra: dict[str, Any] | None = None,
+    times: DeviceTimes | None = None,
 ) -> Orchestrator:
     """The server for ``bundle``: the configured model, evaluated on the data set's test split."""
     spec = model_spec(config, bundle)
@@ -64,4 +66,5 @@ def make_orchestrator(
         summary_extra={**summary_extra, **(extra or {})},
         root=root,
         link=link,
+        times=times,
     )

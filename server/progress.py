@@ -40,10 +40,14 @@ class RoundProgress:
     def round_done(self, row: dict[str, Any]) -> None:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
         rejected = f"  rejected {sum(row['rejected'].values())}" if row["rejected"] else ""
+        slowest = max(row["clients"].values(), key=lambda c: c["compute_s"], default={})
+        of = f" ({slowest['device_class']})" if slowest.get("device_class") else ""
+        parallel = f"  parallel clock {row['parallel_elapsed_s']:.1f}s" if "parallel_elapsed_s" in row else ""
         self.console.print(
             f"round {row['round']:>3}/{self.rounds}  acc {row['accuracy']:.4f}  loss {row['loss']:.4f}  "
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
-            f"slowest compute {row['slowest_compute_s']:.2f}s  elapsed {row['elapsed_s']:.1f}s{missing}{rejected}",
+            f"slowest compute {row['slowest_compute_s']:.2f}s{of}  elapsed {row['elapsed_s']:.1f}s{parallel}"
+            f"{missing}{rejected}",
             highlight=False,
             soft_wrap=True,
         )
@@ -73,22 +77,48 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
+        ("fleet compute (all clients)", fmt(summary.get("fleet_compute_s"), " s")),
     ]
+    if "parallel_clock_s" in summary:  # in-process: the time a fleet of these devices would take
+        rows.insert(5, ("parallel clock", fmt(summary["parallel_clock_s"], " s")))
+        rows.insert(9, ("parallel clock to target", fmt(summary["parallel_clock_to_target_s"], " s")))
     for name, value in rows:
         table.add_row(name, str(value))
     return table
 
 
-def clients_table(per_client: dict[str, dict[str, Any]]) -> Table:
-    """What each device spent: the per_client part of summary.json."""
+def clients_table(per_client: dict[str, dict[str, Any]], missed: dict[str, int]) -> Table:
+    """What each device spent: the per_client part of summary.json, and the rounds each missed."""
     table = Table(title="per client")
-    for col in ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled"):
+    columns = ("client", "rounds", "missed", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C",
+               "throttled")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
-    for cid, s in sorted(per_client.items()):
+    for cid in sorted({*per_client, *missed}):
+        s = per_client.get(cid)
+        if s is None:  # selected every time it was, and never reported
+            table.add_row(cid, "0", str(missed[cid]), *["-"] * (len(columns) - 3))
+            continue
         temp = s["max_temperature_c"]
         table.add_row(
-            cid, str(s["rounds"]), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
+            cid, str(s["rounds"]), str(missed.get(cid, 0)), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
             f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
             "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
+        )  # fmt: skip
+    return table
+
+
+def classes_table(per_class: dict[str, dict[str, Any]]) -> Table:
+    """Compute and missed rounds per device class (summary.json's per_class); train-only: FedUmf's unselected."""
+    table = Table(title="per device class")
+    columns = ("class", "clients", "rounds reported", "rounds missed", "compute s", "train-only compute s",
+               "local steps", "s / 100 steps")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for name, c in per_class.items():
+        per_100 = c["s_per_100_steps"]
+        table.add_row(
+            name, str(c["clients"]), str(c["rounds_reported"]), str(c["rounds_missed"]), f"{c['compute_s']:.1f}",
+            f"{c['train_only_compute_s']:.1f}", f"{c['local_steps']:,}", "-" if per_100 is None else f"{per_100:.3f}",
         )  # fmt: skip
     return table

@@ -75,6 +75,13 @@ class Suite:
     paper: str = ""
     scaled: str = ""
 
+    def use_fleet(self, devices: str) -> None:
+        """Run every cell on this fleet (``bench --fleet``); the client count follows it."""
+        self.base = _merge(self.base, {"fleet": {"devices": devices}})
+        self.base.get("clients", {}).pop("count", None)
+        for variant in self.variants:
+            variant.overrides.get("clients", {}).pop("count", None)
+
     def runs(self) -> list[RunSpec]:
         """Every run, each validated; all algorithms of a column share the partition and seeds."""
         out = []
