@@ -11,7 +11,9 @@ of a process that is gone, is removed on the next start).
 A client is put in its cgroup as soon as it started, and its quota is set when every client has registered
 (:meth:`CpuLimits.enforce`, before round 1): starting up (importing torch takes seconds of CPU) is not what a fleet's
 rounds measure, and at a Pi 3's share it would take minutes here. The quotas together never exceed the cores this
-process may use (its CPU affinity, and its own cgroup's quota).
+process may use (its CPU affinity, and its own cgroup's quota). The run's directory weighs as much as its clients
+would as processes (``cpu.shares`` 1024 or ``cpu.weight`` 100 each), so on a machine shared with other work the fleet
+is not squeezed into the weight of one process.
 Where no hierarchy can be written, :class:`CpuLimits` says why and the run goes on unenforced; the fallback is an
 in-process run (``--in-process``), where each client is measured alone and its compute divided by its share.
 """
@@ -174,8 +176,12 @@ class CpuLimits:
             return self._unenforced(f"cannot create {run_dir} ({exc.strerror or exc})")
         self.run_dir = run_dir
         try:
+            n = len(self.shares)
             if self.hierarchy.version == 2:  # our own directory hands the cpu controller to the clients' cgroups
+                (run_dir / "cpu.weight").write_text(str(min(10_000, 100 * n)))
                 (run_dir / "cgroup.subtree_control").write_text("+cpu")
+            else:
+                (run_dir / "cpu.shares").write_text(str(1024 * n))
             for cid in self.shares:
                 path = run_dir / cid
                 path.mkdir()
