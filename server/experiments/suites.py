@@ -16,6 +16,9 @@ A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clien
     name = "C=0.1"
     clients = { fraction = 0.1 }
 
+    [bench.overrides.fednova]                # optional: sections one algorithm's runs override
+    train = { steps_policy = "deadline", round_budget_s = 1.6 }
+
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
 
@@ -70,6 +73,7 @@ class Suite:
     partitions: list[str]
     seeds: list[int]
     variants: list[Variant]
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # algorithm -> sections its runs override
     mode: str = "inprocess"
     description: str = ""
     paper: str = ""
@@ -90,6 +94,7 @@ class Suite:
                 for seed in self.seeds:
                     for algorithm in self.algorithms:
                         data = _merge(self.base, variant.overrides)
+                        data = _merge(data, self.overrides.get(algorithm, {}))
                         data = _merge(
                             data,
                             {
@@ -138,7 +143,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     bench = data.pop("bench", None)
     if not isinstance(bench, dict):
         raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
-    known = {"algorithms", "partitions", "seeds", "variants", "mode", "description", "paper", "scaled"}
+    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "description", "paper", "scaled"}
     unknown = sorted(set(bench) - known)
     if unknown:
         raise ConfigError(
@@ -155,6 +160,11 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         variants.append(Variant(raw["name"], overrides))
     if len({v.name for v in variants}) != len(variants):
         raise ConfigError(f"{where}: bench.variants names must be unique")
+    overrides = bench.get("overrides", {})
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise ConfigError(
+            f"{where}: bench.overrides.NAME must be tables of the sections that algorithm's runs override"
+        )
     suite = Suite(
         name=name,
         base=data,
@@ -162,6 +172,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         partitions=_str_list(bench, "partitions", where),
         seeds=_str_list(bench, "seeds", where, kind=int),
         variants=variants,
+        overrides=overrides,
         mode=mode,
         description=str(bench.get("description", "")),
         paper=str(bench.get("paper", "")),

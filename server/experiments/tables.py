@@ -3,11 +3,13 @@
 - ``accuracy``: TACO Table V: final accuracy mean +- std over seeds after R rounds, and rounds to the target (the
   mean over seeds; ``x`` when no seed reached it, ``k/n`` appended when only k of n seeds did).
 - ``time_to_accuracy``: TACO's time-to-accuracy: wall clock and client compute (the slowest client's compute per
-  round, summed; network excluded) until the target.
+  round, summed; network excluded) until the target, and the parallel clock when the runs kept one (in-process: each
+  round as long as its slowest device, ``server.fleet_summary``).
 - ``compute``: TACO Table I: client seconds per 100 local updates, with the percentage over FedAvg, and the local
   updates a run made in all (honest clients; what FedVeca's tau accounting compares).
 - ``freeloaders``: TACO Table VIII: TPR (expelled freeloaders / freeloaders) and FPR (expelled honest clients /
   honest clients), only when a run had freeloaders.
+- ``fleet``: per device class, rounds missed and seconds per 100 local steps, only when the runs had a fleet.
 Each table is written as Markdown and CSV; ``report.md`` holds them all with the suite's description and the plots.
 """
 
@@ -91,7 +93,8 @@ def _to_target(runs: Runs, target: float, what: str) -> list[float | None]:
         for point in r["curve"]:
             compute += point["slowest_compute_s"]
             if point["accuracy"] >= target:
-                value = {"round": point["round"], "wall": point["elapsed_s"], "compute": compute}[what]
+                value = {"round": point["round"], "wall": point["elapsed_s"], "compute": compute,
+                         "parallel": point.get("parallel_elapsed_s")}[what]  # fmt: skip
                 break
         out.append(value)
     return out
@@ -110,13 +113,14 @@ def accuracy_table(records: Runs, target: float) -> Table:
 
 def time_table(records: Runs, target: float) -> Table:
     to = f"to {target * 100:g}% (s)"
-    return _table(
-        records,
-        [
-            (f"wall clock {to}", lambda runs, _: _reached(_to_target(runs, target, "wall"), "{:.3g}")),
-            (f"client compute {to}", lambda runs, _: _reached(_to_target(runs, target, "compute"), "{:.3g}")),
-        ],
-    )
+    fields: list[Field] = [
+        (f"wall clock {to}", lambda runs, _: _reached(_to_target(runs, target, "wall"), "{:.3g}")),
+        (f"client compute {to}", lambda runs, _: _reached(_to_target(runs, target, "compute"), "{:.3g}")),
+    ]
+    if any(r["curve"] and r["curve"][0].get("parallel_elapsed_s") is not None for r in records):
+        fields.insert(1, (f"parallel clock {to}", lambda runs, _: _reached(_to_target(runs, target, "parallel"),
+                                                                              "{:.3g}")))  # fmt: skip
+    return _table(records, fields)
 
 
 def _per_100(runs: Runs) -> float | None:
@@ -156,6 +160,28 @@ def freeloader_table(records: Runs) -> Table | None:
         return None
     return _table(
         records, [("TPR", lambda runs, _: _detection(runs, False)), ("FPR", lambda runs, _: _detection(runs, True))]
+    )
+
+
+def _per_class(runs: Runs, key: str, fmt: str) -> str:
+    """``pi3 4 · pi4 0`` : a per_class figure of summary.json per class, the mean over runs."""
+    classes = sorted({c for r in runs for c in r["summary"].get("per_class", {})})
+    cells = []
+    for c in classes:
+        values = [v for r in runs if (v := r["summary"].get("per_class", {}).get(c, {}).get(key)) is not None]
+        cells.append(f"{c} {fmt.format(statistics.fmean(values))}" if values else f"{c} -")
+    return " · ".join(cells) or "-"
+
+
+def fleet_table(records: Runs) -> Table | None:
+    if not any(r["summary"].get("fleet") for r in records):
+        return None
+    return _table(
+        records,
+        [
+            ("rounds missed per class", lambda runs, _: _per_class(runs, "rounds_missed", "{:.3g}")),
+            ("s / 100 local steps per class", lambda runs, _: _per_class(runs, "s_per_100_steps", "{:.3g}")),
+        ],
     )
 
 
@@ -219,12 +245,14 @@ def write_report(suite: Suite, records: list[dict[str, Any]], out_dir: Path, *, 
         "time_to_accuracy": time_table(records, target),
         "compute": compute_table(records),
         "freeloaders": freeloader_table(records),
+        "fleet": fleet_table(records),
     }
     titles = {
         "accuracy": "Round-to-accuracy (TACO Table V layout)",
         "time_to_accuracy": "Time-to-accuracy (mean over the seeds that reached the target)",
         "compute": "Client computation time per 100 local updates (TACO Table I layout)",
         "freeloaders": "Freeloader detection (TACO Table VIII: TPR / FPR)",
+        "fleet": "Device classes: rounds missed and device seconds per 100 local steps (mean over seeds)",
     }
     parts = [f"# bench {suite.name}", ""]
     if suite.description:
