@@ -1,7 +1,7 @@
 """Device profiles and simulated fleets: how fast each device class computes, and how fast its link is.
 
 A profile is a CPU share of one core of this machine (a client of that class gets that share through a cgroup quota,
-``server.experiments.cgroups``, or, in-process, has its measured compute time divided by it) plus uplink and downlink
+``server.experiments.cgroups``, or, in-process, has the CPU seconds it measured divided by it) plus uplink and downlink
 rates in Mbit/s. The share is this machine's seconds per 100 local steps over the device's, for the same model, batch
 and thread count as ``edge-client benchmark`` (cnn-mnist, FedAvg, batch 64, one thread): ``edge-server fleet
 calibrate --seconds-per-100-steps X`` measures this machine and prints the profile for a device that reported X.
@@ -190,16 +190,17 @@ def fleet_size(spec: str, user: Mapping[str, Mapping[str, Any]] | None = None) -
 
 def slowed(train: TrainFn, share: float) -> TrainFn:
     """In-process: ``train`` whose reported compute and CPU seconds are what a device with ``share`` of one core of
-    this machine would have spent (measured here, alone, divided by the share): the device seconds the server and the
-    parallel clock work with."""
+    this machine would have spent: the CPU seconds measured here divided by the share (CPU seconds, not wall time, so
+    other work on this machine does not slow the simulated device; shares are calibrated on CPU seconds too). These
+    are the device seconds the server and the parallel clock work with."""
 
     def run(
         flat: FlatModel, weights: np.ndarray, data: ArrayDataset, sampler: BatchSampler, plan: Plan,
         algorithm: ClientAlgorithm,
     ) -> TrainResult:  # fmt: skip
         result = train(flat, weights, data, sampler, plan, algorithm)
-        result.compute_s /= share
         result.cpu_s /= share
+        result.compute_s = result.cpu_s
         return result
 
     return run
