@@ -224,6 +224,19 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
     assert_c_is_the_mean_of_the_c_i(orch, orch.out_dir / "clients")
 
 
+def run_beside_c9(
+    orch: Any, broker: Any, job: str, respond: Callable[[Assignment], list[bytes | bytearray]]
+) -> tuple[dict[str, Any], FakeDevice]:
+    """Run ``orch`` with a fake device c9 (its own login) answering with ``respond``; the summary and the device."""
+    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, job, "c9", 10, respond).start()
+    try:
+        summary = orch.run()
+    finally:
+        device.stop()
+    assert device.error is None, device.error
+    return summary, device
+
+
 @pytest.mark.integration
 def test_a_slow_device_that_missed_a_round_gets_a_deadline_it_meets(federation, broker) -> None:
     """The shut-out case. A slow device (c9: 3 s a round) beside two fast client processes misses round 2 (its link
@@ -239,12 +252,7 @@ def test_a_slow_device_that_missed_a_round_gets_a_deadline_it_meets(federation, 
         time.sleep(slow_s)  # the device's own compute, not a synchronisation
         return [encode(replace(zero_update(a, "c9", 10), compute_s=slow_s))]
 
-    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, "shutout", "c9", 10, slow).start()
-    try:
-        summary = orch.run()
-    finally:
-        device.stop()
-    assert device.error is None, device.error
+    summary, _ = run_beside_c9(orch, broker, "shutout", slow)
     rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == 3 and [r["missing"] for r in rows] == [[], ["c9"], []]
     assert "c9" in rows[0]["clients"] and "c9" in rows[2]["clients"]  # aggregated again in round 3
@@ -278,12 +286,7 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
             )
         ]
 
-    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, "absurd", "c9", 10, absurd).start()
-    try:
-        summary = orch.run()
-    finally:
-        device.stop()
-    assert device.error is None, device.error
+    summary, device = run_beside_c9(orch, broker, "absurd", absurd)
     answered = [a.round for a in device.assignments]
     rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == 3 and answered
