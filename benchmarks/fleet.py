@@ -102,15 +102,19 @@ def markdown(data: dict[str, Any]) -> str:
                 f"| {algorithm} | {f['steps_policy']} | {f['final_accuracy'] * 100:.2f}% | "
                 f"{_fmt(f['time_to_target_s'])} | {missed} |"
             )
-        v = data["verdicts"].get(mode)
-        if v is not None:
-            lines += [
-                "",
-                f"**{'PASS' if v['pass'] else 'MISS'}** ({CLOCKS[mode]}): {POLICY} with the deadline policy took "
-                f"{_fmt(v['time_ratio'], '{:.2f}')}x {BASELINE}'s time to {target * 100:g}% (target <= "
-                f"{MAX_TIME_RATIO:g}x), final accuracy {v['accuracy_gap'] * 100:.2f} points apart (target <= "
-                f"{MAX_ACCURACY_GAP * 100:g}).",
-            ]
+        lines.append("")
+    verdicts = [(mode, v) for mode, v in data["verdicts"].items() if v is not None]
+    if verdicts:
+        lines += [
+            f"| target: {POLICY} with the deadline policy against {BASELINE} | measured | target | result |",
+            "|---|---|---|---|",
+        ]
+        for mode, v in verdicts:
+            lines.append(
+                f"| time to {target * 100:g}% on the {CLOCKS[mode]}, and final accuracy | "
+                f"{_fmt(v['time_ratio'], '{:.2f}x')}; {v['accuracy_gap'] * 100:.2f} points apart | "
+                f"<= {MAX_TIME_RATIO:g}x; <= {MAX_ACCURACY_GAP * 100:g} points | {'PASS' if v['pass'] else 'MISS'} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
