@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,24 @@ from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
-from edge_client.models import build_model
-from edge_client.protocol import Assignment, ComputeReport, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.models import build_model, fingerprint, parameter_layout
+from edge_client.protocol import (
+    Assignment,
+    ComputeReport,
+    Evaluate,
+    Evaluation,
+    Failure,
+    Hello,
+    Message,
+    Presence,
+    Refusal,
+    Stop,
+    Update,
+    encode,
+)
+from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -34,6 +49,14 @@ from edge_client.transport import Link, LinkConfig, MqttLink
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[dict[str, Any]], nn.Module]
+#: How many parameters of its layout a device sends at registration (the digest covers all of them).
+LAYOUT_SENT = 500
+
+
+class Refused(RuntimeError):
+    """The server refused this device at registration; the message says why (e.g. which model parameter differs)."""
+
+
 #: Builds the client's link from its subscriptions and the hook to call on every (re)connect (in-process runs).
 LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 #: One round of local training (``trainer.train_local``; experiments wrap it to simulate dishonest clients).
@@ -50,18 +73,24 @@ class EdgeClient:
         link_config: LinkConfig | None,
         *,
         job: str = "default",
-        model_factory: ModelFactory = build_model,
+        model_factory: ModelFactory | None = None,
         threads: int = 1,
         state_dir: Path | None = None,
         link_factory: LinkFactory | None = None,
         train: TrainFn = train_local,
+        holdout: ArrayDataset | None = None,
+        allowed: AllowedCode = NOTHING,
         device_class: str | None = None,
     ) -> None:
+        """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
+        model or task factory the server names may be imported from (``edge_client.factories``)."""
         self.client_id = validate_client_id(client_id)
         self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
+        self.holdout = holdout
+        self.allowed = allowed
         self.topics = Topics(job)
-        self.model_factory = model_factory
+        self.model_factory = model_factory or (lambda spec: build_model(spec, allowed))
         self.threads = threads
         self.state_dir = state_dir
         self.train = train
@@ -72,6 +101,9 @@ class EdgeClient:
         self.served: tuple[str, int, str] = self._load_served()
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
+        self._server_model: dict[str, Any] | None = None  # the spec the server announced; hello needs it
+        self._tasks: dict[str, Task] = {}
+        self.refusal: str | None = None
         self._sampler: BatchSampler | None = None
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
@@ -93,8 +125,23 @@ class EdgeClient:
             )
 
     def _say_hello(self) -> None:
-        facts = device.device_info() | ({"device_class": self.device_class} if self.device_class else {})
-        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=facts)
+        """Register, with this device's model for the spec the server announced (nothing before the announcement:
+        the server checks the model at registration)."""
+        if self._server_model is None:
+            return
+        try:
+            layout = parameter_layout(self._model_for(self._server_model).module)
+            model: dict[str, Any] = {"digest": fingerprint(layout), "layout": layout[:LAYOUT_SENT]}
+        except Exception as exc:  # the server says so in its refusal, and its log names this device
+            log.error("cannot build the server's model %s: %s", self._server_model, exc)
+            model = {"error": str(exc)[:1000]}
+        hello = Hello(
+            client_id=self.client_id,
+            num_samples=len(self.dataset),
+            device=device.device_info() | ({"device_class": self.device_class} if self.device_class else {}),
+            model=model,
+            eval_samples=len(self.holdout) if self.holdout is not None else 0,
+        )
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
     def run(self, max_rounds: int | None = None) -> None:
@@ -110,6 +157,8 @@ class EdgeClient:
                 if not self.handle(received[1]):
                     break
             self.link.wait_published(timeout=30.0)
+            if self.refusal is not None:
+                raise Refused(self.refusal)
         finally:
             self.link.publish(
                 self.topics.up(self.client_id), encode(Presence(client_id=self.client_id, online=False, reason="done"))
@@ -122,16 +171,61 @@ class EdgeClient:
         if isinstance(msg, Stop):
             log.info("server says stop: %s", msg.reason)
             return False
+        if isinstance(msg, Refusal):
+            self.refusal = f"the server refused {self.client_id} ({msg.reason}): {msg.detail}"
+            log.error("%s", self.refusal)
+            return False
         if isinstance(msg, Presence) and msg.role == "server" and msg.online:
+            self._server_model = dict(msg.model)
             self._say_hello()  # the server (re)started: register again
         elif isinstance(msg, Assignment):
             self._serve(msg)
+        elif isinstance(msg, Evaluate):
+            self._evaluate(msg)
         return True
 
-    def _model_for(self, spec: dict[str, Any]) -> FlatModel:
+    def _model_for(self, spec: dict[str, Any], task: Task | None = None) -> FlatModel:
+        """The model of ``spec`` (built once per spec), training with ``task``'s loss when given."""
         if self._model is None or spec != self._model_spec:
             self._model, self._model_spec = FlatModel(self.model_factory(spec)), dict(spec)
+        if task is not None:
+            self._model.loss_fn = task_loss(self._model.module, task)
         return self._model
+
+    def _task_for(self, spec: Mapping[str, Any]) -> Task:
+        """The task of ``spec``, built once; this device's targets are checked against it then."""
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._tasks:
+            task = build_task(spec, self.allowed)
+            problem = task.check_targets(self.dataset.y) if task.check_targets else None
+            if problem:
+                raise ValueError(f"this device's data does not fit the {task.name} task: {problem}")
+            self._tasks[key] = task
+        return self._tasks[key]
+
+    def _evaluate(self, request: Evaluate) -> None:
+        """Evaluate the global model on the held-out split and report loss, metrics and the device's time."""
+        if self.holdout is None:
+            detail = ValueError("this device holds out no data; start it with --holdout 0.1")
+            self._fail(request.round, request.run_id, "no_holdout", detail)
+            return
+        try:
+            task = self._task_for(request.task)
+            model = self._model_for(request.model)
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            model.load(request.weights)
+            result = evaluate(model.module, task, self.holdout)
+            eval_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+        except Exception as exc:  # a request this device cannot serve must not end the client
+            self._fail(request.round, request.run_id, "evaluate", exc)
+            return
+        loss = result.pop("loss", float("nan"))
+        report = Evaluation(
+            request.round, self.client_id, len(self.holdout), loss, result, eval_s, cpu_s, run_id=request.run_id
+        )
+        self.link.publish(self.topics.up(self.client_id), encode(report))
+        log.info("round %d: evaluated on %d held-out samples in %.3f s: loss %.4f %s",
+                 request.round, len(self.holdout), eval_s, loss, result)  # fmt: skip
 
     def _state_path(self, name: str) -> Path | None:
         """Per job and algorithm, so that state from one federation never leaks into another."""
@@ -155,10 +249,10 @@ class EdgeClient:
             tmp.write_text(json.dumps({"run": a.run_id, "round": a.round, "msg_id": a.msg_id}))
             os.replace(tmp, path)
 
-    def _fail(self, assignment: Assignment, reason: str, exc: BaseException) -> None:
+    def _fail(self, round_: int, run_id: str, reason: str, exc: BaseException) -> None:
         """Tell the server this round cannot be served (so it stops waiting) and keep serving the next ones."""
-        log.error("round %d: cannot serve the assignment (%s): %s", assignment.round, reason, exc)
-        failure = Failure(assignment.round, self.client_id, reason, str(exc)[:2000], run_id=assignment.run_id)
+        log.error("round %d: cannot serve the server's request (%s): %s", round_, reason, exc)
+        failure = Failure(round_, self.client_id, reason, str(exc)[:2000], run_id=run_id)
         self.link.publish(self.topics.up(self.client_id), encode(failure))
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
@@ -190,7 +284,7 @@ class EdgeClient:
                         assignment.round, served)  # fmt: skip
             return
         try:
-            model = self._model_for(assignment.model)
+            model = self._model_for(assignment.model, self._task_for(assignment.task))
             algorithm = self._algorithm_for(assignment.algorithm)
             if assignment.weights is None or model.size != assignment.weights.size:
                 raise ValueError(
@@ -198,8 +292,8 @@ class EdgeClient:
                     f"{model.size}"
                 )
             plan = plan_for(assignment, algorithm, model.size)
-        except ValueError as exc:  # a round this device cannot serve must not end the client
-            self._fail(assignment, "assignment", exc)
+        except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
+            self._fail(assignment.round, assignment.run_id, "assignment", exc)
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
@@ -211,7 +305,7 @@ class EdgeClient:
             result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
-            self._fail(assignment, "train_error", exc)
+            self._fail(assignment.round, assignment.run_id, "train_error", exc)
             return
         self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()

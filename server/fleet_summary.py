@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from server.target import Target
+
 _CLASS_RE = re.compile(r"[A-Za-z0-9_.:+-]{1,32}")
 
 
@@ -33,7 +35,7 @@ def parallel_round_s(row: Mapping[str, Any]) -> float:
     return max(devices, default=0.0) + row["assign_s"] + row["aggregate_s"] + row["eval_s"]
 
 
-def fleet_summary(rows: list[dict[str, Any]], classes: Mapping[str, str], target: float) -> dict[str, Any]:
+def fleet_summary(rows: list[dict[str, Any]], classes: Mapping[str, str], target: Target) -> dict[str, Any]:
     """For summary.json: compute (uploaded and train-only) and rounds missed per class and per client, and the
     parallel clock with the time to ``target`` on it when the run kept one."""
     per_class: dict[str, dict[str, Any]] = {}
@@ -68,7 +70,7 @@ def fleet_summary(rows: list[dict[str, Any]], classes: Mapping[str, str], target
         "rounds_missed": dict(sorted(missed.items())),
     }
     if rows and "parallel_elapsed_s" in rows[-1]:
-        reached = next((r for r in rows if r["accuracy"] >= target), None)
+        reached = next((r for r in rows if target.reached(target.of(r))), None)
         out["parallel_clock_s"] = rows[-1]["parallel_elapsed_s"]
         out["parallel_clock_to_target_s"] = reached["parallel_elapsed_s"] if reached else None
     return out

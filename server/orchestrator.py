@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -31,10 +32,12 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, get_flat, num_params
+from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
     ComputeReport,
+    Evaluate,
+    Evaluation,
     Failure,
     Hello,
     InvalidField,
@@ -43,10 +46,12 @@ from edge_client.protocol import (
     ModelFile,
     Presence,
     ProtocolError,
+    Refusal,
     Stop,
     Update,
     encode,
 )
+from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
@@ -55,6 +60,7 @@ from server.compute_reports import ComputeReports
 from server.config import RunConfig
 from server.deadlines import DeviceTimes, round_deadline
 from server.evaluation import Evaluator
+from server.federated_eval import EvalRound, FederatedEvaluation
 from server.fleet_summary import device_class, fleet_summary, parallel_round_s
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
@@ -62,6 +68,7 @@ from server.report import MetricsLog, client_summary, plot_report, summarize, wr
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import assignment_summary
+from server.target import eval_mode, run_target
 from server.timeline import plot_timeline
 
 log = logging.getLogger("edgefl.server")
@@ -89,6 +96,13 @@ class ClientRecord:
     num_samples: int
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
+    eval_samples: int = 0  # the held-out split it evaluates on
+
+
+class ModelMismatch(InvalidField):
+    """A device whose model's parameter layout is not the server's: refused at registration."""
+
+    reason = "model"
 
 
 class Orchestrator:
@@ -96,7 +110,7 @@ class Orchestrator:
         self,
         config: RunConfig,
         link_config: LinkConfig,
-        evaluator: Evaluator,
+        evaluator: Evaluator | None,
         model_spec: dict[str, Any],
         out_dir: Path,
         *,
@@ -123,7 +137,14 @@ class Orchestrator:
         self.current: RoundState | None = None
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
-        self.num_params = num_params(build_model(model_spec))
+        self.layout = parameter_layout(build_model(model_spec))
+        self.fingerprint = fingerprint(self.layout)
+        self.num_params = sum(math.prod(shape) for _, shape, _ in self.layout)
+        # What the model is for and who measures it (evaluator None: the server holds no test set).
+        self.task = build_task(config.task)
+        self.eval_mode = eval_mode(config, evaluator is not None)
+        self.target = run_target(config, self.task, self.eval_mode)
+        self.federated = FederatedEvaluation(self.task, config.eval, config.run.rounds)
         self.admission = Admission(
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
@@ -153,15 +174,14 @@ class Orchestrator:
             "partition": self.config.data.partition,
             "job": run.job,
             "rounds": run.rounds,
-            "target": run.target_accuracy,
+            "target": self.target.value,
         }
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _announce(self) -> None:
         """Online, retained: on every (re)connect, so the last will's retained 'offline' never outlives a reconnect."""
-        self.link.publish(
-            self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
-        )
+        online = Presence("server", True, "server", model=self.model_spec, fingerprint=self.fingerprint)
+        self.link.publish(self.topics.server, encode(online), retain=True)
 
     def _sender_budget(self, topic: str) -> int:
         """Bytes of chunked messages ``topic``'s sender may have in flight: one update of this round, if it owes one."""
@@ -190,6 +210,9 @@ class Orchestrator:
                 self.times.record_compute(msg.round, sender, msg.compute_s, msg.local_steps)
                 log.info("round %d: %s trained %d steps without uploading, compute %.3f s", entry["round"], sender,
                          msg.local_steps, msg.compute_s)  # fmt: skip
+            elif isinstance(msg, Evaluation):
+                record = self.clients.get(sender)
+                self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
@@ -204,8 +227,9 @@ class Orchestrator:
                 f"{sender} registers with {hello.num_samples} samples, more than clients.max_samples "
                 f"({self.config.clients.max_samples}); not registered"
             )
+        self._check_model(sender, hello)
         known = self.clients.get(sender)
-        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
+        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
         if known is None or not known.online:
@@ -215,6 +239,24 @@ class Orchestrator:
                 hello.num_samples,
                 {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count", "device_class")},
             )
+
+    def _check_model(self, sender: str, hello: Hello) -> None:
+        """Refuse a device whose model is not the server's, and tell it which parameter differs."""
+        stated = hello.model
+        if not stated:  # a device that does not state its model: its updates are still checked for their size
+            log.warning("client %s registers without stating its model; only its update sizes are checked", sender)
+            return
+        if stated.get("digest") == self.fingerprint:
+            return
+        if "error" in stated:
+            detail = f"the device cannot build the model {self.model_spec}: {str(stated['error'])[:1000]}"
+        else:
+            detail = f"its model differs from the server's: {layout_difference(self.layout, stated.get('layout'))}"
+        refusal = Refusal(sender, "model", detail[:2000])
+        self.link.publish(self.topics.down(sender), encode(refusal))
+        self.clients.pop(sender, None)
+        self.client_samples.pop(sender, None)
+        raise ModelMismatch(f"{sender} refused at registration: {detail}")
 
     def _presence(self, sender: str, presence: Presence) -> None:
         if presence.client_id != sender:
@@ -252,6 +294,9 @@ class Orchestrator:
         if failure.client_id != sender:
             raise InvalidField(f"failure on the topic of {sender!r} claims client id {failure.client_id!r}")
         state = self.current
+        if self.federated.failed(sender, failure.round, failure.reason):
+            log.warning("round %d: %s cannot evaluate (%s: %s)", failure.round, sender, failure.reason, failure.detail)
+            return
         if state is None or failure.round != state.round or sender not in state.selected:
             log.warning("%s could not serve round %d (%s: %s)", sender, failure.round, failure.reason, failure.detail)
             return
@@ -316,6 +361,7 @@ class Orchestrator:
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
+                task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
@@ -344,12 +390,16 @@ class Orchestrator:
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
-            ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
+            ServerContext(
+                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+            )
         )
         weights, metrics = self._resume(weights)
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
-        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        exporter = BackgroundExporter(
+            self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model, task=self.task.name
+        )
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
@@ -360,12 +410,14 @@ class Orchestrator:
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
+        export_onnx(
+            self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
+        )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         classes = {cid: device_class(record.device) for cid, record in self.clients.items()}
         summary = summarize(
             metrics.rows,
-            self.config.run.target_accuracy,
+            self.target,
             algorithm=self.strategy.name,
             run_id=self.run_id,
             num_params=int(self.num_params),
@@ -375,14 +427,14 @@ class Orchestrator:
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
             per_client=client_summary(metrics.rows),
-            **fleet_summary(metrics.rows, classes, self.config.run.target_accuracy),
+            **fleet_summary(metrics.rows, classes, self.target),
         )
         last = metrics.rows[-1] if metrics.rows else {}
-        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith("accuracy_")})
+        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
         write_summary(self.out_dir / "summary.json", summary)
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
-            plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
+            plot_report(metrics.rows, self.target, self.out_dir / "report.png", title)
             plot_timeline(metrics.rows, self.out_dir / "timeline.png", title, classes)
         return summary
 
@@ -428,7 +480,9 @@ class Orchestrator:
     def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
         start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
         version = self.version
-        best = max((r["accuracy"] for r in metrics.rows), default=-1.0)
+        best: float | None = None
+        for r in metrics.rows:
+            best = self.target.of(r) if self.target.better(self.target.of(r), best) else best
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
@@ -448,8 +502,14 @@ class Orchestrator:
                 weights, dropped = self._aggregate(round_, weights, updates)
                 version += dropped is None
             t_eval = time.monotonic()
-            accuracy, loss = self.evaluator(weights)
-            outputs = {name: self.evaluator(w) for name, w in self.strategy.outputs(weights).items()}
+            due = self.federated.due(round_)
+            evaluator = self.evaluator if due and self.eval_mode != "clients" else None
+            tested = evaluator(weights) if evaluator else {}
+            outputs = {name: evaluator(w) for name, w in self.strategy.outputs(weights).items()} if evaluator else {}
+            t_clients = time.monotonic()
+            client_eval = self._evaluate_on_devices(round_, version, weights, state.selected) if (
+                due and self.eval_mode != "server"
+            ) else None  # fmt: skip
             done = time.monotonic()
             row = {
                 "round": round_,
@@ -457,9 +517,9 @@ class Orchestrator:
                 "round_s": done - t0,
                 "assign_s": assign_s,
                 "aggregate_s": t_eval - t_agg,
-                "eval_s": done - t_eval,
-                "accuracy": accuracy,
-                "loss": loss,
+                "eval_s": t_clients - t_eval,
+                "client_eval_wait_s": done - t_clients,  # server clock: request, device evaluation, reports
+                **tested,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
@@ -481,21 +541,40 @@ class Orchestrator:
                 )
             if dropped:
                 row["dropped"] = dropped
-            for name, (acc, lss) in outputs.items():
-                row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
+            if client_eval is not None:
+                row["client_eval"] = client_eval
+            for name, result in outputs.items():
+                row.update({f"{metric}_{name}": value for metric, value in result.items()})
             rejected_before = Counter(self.link.rejections)
             metrics.append(row)
             self.checkpoint.save(weights, round_, version, self.strategy, self.run_id)
-            if accuracy > best:  # model.onnx is always the best global model so far
-                best = accuracy
+            value = self.target.of(row)
+            if self.target.better(value, best):  # model.onnx is always the best global model so far
+                best = value
                 exporter.submit(weights, round_)
             self.observer.round_done(row)
-            if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
-                log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)
+            if self.config.run.stop_at_target and self.target.reached(value):
+                log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, round_)
                 break
         self.checkpoint.mark_finished()
         self.unreported_rejections = self.link.rejections - rejected_before
         return weights
+
+    def _evaluate_on_devices(
+        self, round_: int, version: int, weights: np.ndarray, selected: set[str]
+    ) -> dict[str, Any] | None:
+        """Ask the devices to evaluate ``weights`` on their held-out splits; their combined report (None if none)."""
+        holdout = {c: rec.eval_samples for c, rec in self.clients.items()}
+        asked = self.federated.devices(self.available(), selected, holdout)
+        request = Evaluate(
+            round_, version, weights, self.model_spec, self.config.task, self.config.eval.deadline_s, self.run_id
+        )
+        frame = encode(request)
+        for cid in asked:
+            self.link.publish(self.topics.down(cid), frame)
+        state = EvalRound(round_, set(asked))
+        self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
+        return self.federated.result(state)
 
     def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
         bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)

@@ -60,8 +60,10 @@ class FakeServer:
         self.link = MqttLink(config, f"test-server-{job}", [self.topics.all_up])
         self.link.start()
         # The SUBSCRIBE went out before this PUBLISH on the same connection, so once the broker acknowledges the
-        # publish it has also processed the subscription: no hello can be missed.
-        self.link.publish(self.topics.server, encode(Presence(client_id="server", online=True, role="server")))
+        # publish it has also processed the subscription: no hello can be missed. Retained with the run's model, as
+        # the server announces itself: a device registers once it has seen it.
+        online = Presence(client_id="server", online=True, role="server", model=dict(SPEC))
+        self.link.publish(self.topics.server, encode(online), retain=True)
         assert self.link.wait_published(TIMEOUT)
 
     def send(self, msg: Message, topic: str | None = None) -> None:

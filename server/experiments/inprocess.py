@@ -25,7 +25,8 @@ from typing import Any
 
 from paho.mqtt.client import topic_matches_sub
 
-from edge_client.data import load_local_data
+from edge_client.data import load_local_data, split_holdout
+from edge_client.factories import AllowedCode, factory_modules
 from edge_client.protocol import Message
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
@@ -162,9 +163,12 @@ def run_inprocess(
     state_dirs = client_state_dirs(out_dir, ids)
     for cid, shard in zip(ids, shards, strict=True):
         train = behaviour(roles[cid], cid)
+        data, holdout = load_local_data(shard), None
+        if config.eval.holdout:  # as edge-client run --holdout with --holdout-seed = the run's seed
+            data, holdout = split_holdout(data, config.eval.holdout, config.run.seed, cid)
         client = EdgeClient(
             cid,
-            load_local_data(shard),
+            data,
             None,
             job=config.run.job,
             threads=config.clients.threads,
@@ -172,6 +176,8 @@ def run_inprocess(
             link_factory=bus.connect,
             train=slowed(train, profiles[cid].cpu_share) if cid in profiles else train,
             device_class=profiles[cid].name if cid in profiles else None,
+            holdout=holdout,
+            allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
         )
         bus.add_client(client)
     orchestrator = make_orchestrator(
