@@ -27,7 +27,7 @@ from edge_client.contract import Contract
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment, Update
 from server.strategies.running import RunningMean
-from server.strategies.store import UpdateStore
+from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore
 
 log = logging.getLogger("edgefl.server")
 
@@ -54,6 +54,7 @@ class ServerContext:
     root: ArrayDataset | None = None  # server-side data (DRAG-BR's root data set)
     seed: int = 0
     run_dir: Path | None = None  # where an UpdateStore spills rows beyond its RAM bound (None: the temp directory)
+    store_ram_bytes: int = DEFAULT_RAM_BYTES  # an UpdateStore's RAM bound
 
 
 _NO_ARRAY = np.zeros(0, dtype=np.float32)
@@ -192,7 +193,7 @@ class Strategy(ABC):
     def update_store(self, size: int) -> UpdateStore:
         """This strategy's store, emptied for a new round (one store, reused: its spill file's pages stay mapped)."""
         if self._store is None or self._store.size != size:
-            self._store = UpdateStore(size, self.ctx.run_dir)
+            self._store = UpdateStore(size, self.ctx.run_dir, self.ctx.store_ram_bytes)
         self._store.clear()
         return self._store
 

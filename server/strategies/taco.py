@@ -212,7 +212,7 @@ class Taco(Strategy):
             self.alpha[cid] = float(a)
             if self._strike(cid, float(a)):
                 candidates.append(cid)
-        expelled_now = self._expel(rnd.number, candidates)
+        expelled_now = self._expel(rnd.number, sorted(candidates))  # in client order, whatever the arrival order
         chosen = np.array([cid not in expelled_now for cid in rows.keys])
         if not (self.params["drop_on_expel_round"] and chosen.any()):
             chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
