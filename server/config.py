@@ -6,7 +6,7 @@
              deadline_floor_s, threads
 [data]       dataset, partition
 [model]      name plus the model's keyword arguments (default: the data set's model)
-[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, store_ram_mb
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
@@ -23,6 +23,7 @@ from typing import Any
 import tomllib
 
 from edge_client.algorithms import contract_of
+from server.strategies.store import DEFAULT_RAM_BYTES
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,9 @@ class TrainSection:
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = 1e4
+    # MiB of a round's updates that TACO, FoolsGold, DRAG's first round and the TACO-tailored variants keep in RAM
+    # until all are in; the rest go to a memory-mapped file in the run directory (0: all of them)
+    store_ram_mb: int = DEFAULT_RAM_BYTES >> 20
 
 
 @dataclass
@@ -139,6 +143,7 @@ class RunConfig:
             ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
+            ("train.store_ram_mb", self.train.store_ram_mb >= 0, "MiB >= 0 (0: every stored update goes to the file)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",

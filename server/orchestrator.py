@@ -327,7 +327,13 @@ class Orchestrator:
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
             ServerContext(
-                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.out_dir
+                self.model_spec,
+                self.num_params,
+                self.client_samples,
+                self.root,
+                self.config.run.seed,
+                self.out_dir,
+                self.config.train.store_ram_mb << 20,
             )
         )
         weights, metrics = self._resume(weights)

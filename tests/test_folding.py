@@ -4,13 +4,14 @@ aggregation failed. The formulas themselves are checked against hand-made vector
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_update
+from conftest import Hooks, make_config, make_update
 
 from edge_client.data import ArrayDataset
 from edge_client.models import build_model, num_params
@@ -20,6 +21,8 @@ from server.checkpoint import pack_state
 from server.config import from_dict
 from server.evaluation import Evaluator
 from server.experiments.datasets import load_dataset
+from server.experiments.inprocess import run_inprocess
+from server.experiments.simulate import client_ids, prepare_shards
 from server.orchestrator import Orchestrator
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.store import UpdateStore
@@ -229,3 +232,34 @@ def test_a_non_finite_aggregate_drops_the_round(digits, tmp_path: Path) -> None:
         orch.strategy.fold(rnd, make_update(cid, np.full(d, 3e38)))
     new, dropped = orch._aggregate(1, w, rnd)
     assert dropped == "non_finite_aggregate" and new is w
+
+
+def spill_files(directory: Path) -> list[str]:
+    """The files this process holds open, unnamed, in ``directory`` (on Linux an O_TMPFILE reads as ``#inode``)."""
+    prefix, found = f"{directory}/", []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # closed since the listing (the listing's own descriptor, for one)
+            continue
+        found += [link] if link.startswith(prefix) and link.endswith(" (deleted)") else []
+    return found
+
+
+def test_a_run_spills_to_its_run_directory_at_train_store_ram_mb_and_trains_the_same(digits, tmp_path: Path) -> None:
+    """A whole in-process TACO run with ``train.store_ram_mb = 0``: every upload is in the memory-mapped file in the
+    run's --out while it runs, and the run's accuracies are those of the run that kept them in RAM."""
+    accuracies, open_files = {}, {}
+    for ram_mb in (0, 1024):
+        config = make_config(tmp_path, f"taco-{ram_mb}", 3, 2, train={"algorithm": "taco", "store_ram_mb": ram_mb})
+        out = Path(config.run.out)
+        shards, _ = prepare_shards(digits, client_ids(3), config.data.partition, 0, out / "shards")
+        seen: list[str] = []
+        summary = run_inprocess(
+            config, shards, digits, out, observer=Hooks({1: lambda o=out, s=seen: s.extend(spill_files(o))})
+        )
+        assert summary["rounds"] == 2
+        accuracies[ram_mb] = [json.loads(line)["accuracy"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+        open_files[ram_mb] = seen
+    assert len(set(open_files[0])) == 1 and open_files[1024] == []  # one file (its mapping holds a second descriptor)
+    assert accuracies[0] == accuracies[1024]
