@@ -129,7 +129,7 @@ def new_strategy(name: str, d: int, n: int, spill_dir: Path, ram_bytes: int = DE
         rng = np.random.default_rng(0)
         root = ArrayDataset(rng.standard_normal((512, spec["in_features"]), dtype=np.float32), rng.integers(0, 10, 512))
     clients = {f"c{i:04d}": SAMPLES + i for i in range(n)}
-    strategy.setup(ServerContext(spec, d, clients, root, 0, spill_dir, ram_bytes))
+    strategy.setup(ServerContext(spec, d, clients, root, 0, run_dir=spill_dir, store_ram_bytes=ram_bytes))
     return strategy
 
 

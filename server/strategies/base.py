@@ -26,6 +26,7 @@ import numpy as np
 from edge_client.contract import Contract
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment, Update
+from edge_client.tasks import TASKS, Task
 from server.strategies.running import RunningMean
 from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore
 
@@ -53,6 +54,7 @@ class ServerContext:
     clients: dict[str, int] = field(default_factory=dict)  # client id -> number of local samples (as registered)
     root: ArrayDataset | None = None  # server-side data (DRAG-BR's root data set)
     seed: int = 0
+    task: Task = TASKS["classification"]  # the run's task: the loss of training on the server (DRAG-BR's root)
     run_dir: Path | None = None  # where an UpdateStore spills rows beyond its RAM bound (None: the temp directory)
     store_ram_bytes: int = DEFAULT_RAM_BYTES  # an UpdateStore's RAM bound
 
