@@ -29,7 +29,8 @@ DATASET_HELP = (
     "idx directory (docs/datasets.md)"
 )
 PARTITION_HELP = (
-    "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+    "iid, dirichlet:PHI (dirichlet:PHI:balanced adds NIID-Bench's balancing step), taco-groups, fedveca-case:N "
+    "(N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
 )
 DASHBOARD_HELP = (
     "serve a live dashboard of the run at HOST:PORT, e.g. 127.0.0.1:8050 (port 0: a free one); an address that is "

@@ -6,8 +6,9 @@ every alpha is 0), strikes for ``alpha_i >= kappa`` and expulsion after ``lambda
 told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
 ``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
 
-Not streamed: eq. 7 weights each upload by its cosine to the mean of all of the round's uploads, known only when the
-last one is in. Uploads are kept in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in
+Not streamed: eq. 7 weights each upload by its share of all the round's upload norms and by its cosine to the mean
+of all of them (or to the last global update, ``alpha_reference = "previous_global"``), known only when the last one
+is in. Uploads are kept in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in
 the run directory); on arrival each one's norm and the running sum are taken while it is in cache, and ``finish``
 reads each upload twice more: its dot with the mean, then the alpha-weighted sum (skipped for an alpha of 0, and not
 needed at all when every alpha is 0: the uniform mean is the running sum).
@@ -30,11 +31,14 @@ from server.strategies.store import UpdateStore, held_bytes
 log = logging.getLogger("edgefl.server")
 
 
-def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
-    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0)``.
+def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, r), 0)``.
 
-    The mean is the unweighted mean of the raw uploads ((f)4); cosines use the C5 guard, so a zero upload or a zero
-    mean gives 0; when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
+    ``reference = "mean"``: ``r`` is the unweighted mean of the raw uploads, eq. 7 as printed ((f)4).
+    ``"previous_global"``: ``r`` is ``previous``, the global update the clients were sent this round (the prose's
+    reading: the cosine between a client's update and the previous global gradient); ``None`` before the first
+    aggregation, when every cosine is 0 by the C5 guard. Cosines use the C5 guard (a zero upload or reference gives
+    0); when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
     Returns float64 alphas in [0, 1), one per delta, in order.
     """
     if not deltas:
@@ -42,23 +46,23 @@ def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
     rows = UpdateStore(deltas[0].size)
     for i, d in enumerate(deltas):
         rows.append(str(i), d)
-    return store_alphas(rows)
+    return store_alphas(rows, reference, previous)
 
 
-def store_alphas(rows: UpdateStore) -> np.ndarray:
+def store_alphas(rows: UpdateStore, reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
     """Eq. 7 (see ``taco_alphas``) over the rows of a store: norms and mean from arrival, one read of each row."""
     norms = np.array(rows.norms)
     total = float(norms.sum())
-    if total <= EPS:
+    ref = rows.mean() if reference == "mean" else previous
+    if total <= EPS or ref is None:
         return np.zeros(len(norms))
-    mean = rows.mean()
-    mean_norm = float(np.linalg.norm(mean))
-    if mean_norm < EPS:
+    ref_norm = float(np.linalg.norm(ref))
+    if ref_norm < EPS:
         return np.zeros(len(norms))
-    dots = rows.dots(mean)
+    dots = rows.dots(ref)
     cos = np.zeros(len(norms))
     ok = norms >= EPS
-    cos[ok] = dots[ok] / (norms[ok] * mean_norm)
+    cos[ok] = dots[ok] / (norms[ok] * ref_norm)
     return (1.0 - norms / total) * np.maximum(cos, 0.0)
 
 
@@ -73,7 +77,9 @@ class Taco(Strategy):
     sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
     which no update arrived so the version did not advance); the last-sent version per client is tracked.
     (3) ``alpha_i^{t+1}`` from round t's uploads weights round t's aggregation, is counted for eq. 10, and is the
-    client's coefficient in round t+1. (4) The mean in eq. 7 is the unweighted mean of raw uploads.
+    client's coefficient in round t+1. (4) ``alpha_reference``: eq. 7's cosine against the unweighted mean of the raw
+    uploads ("mean", the equation) or against the global update the clients were sent ("previous_global", the
+    prose); see ``taco_alphas``.
     (5) Round 1 (paper t = 0): ``Delta_0 = 0``, so clients apply no correction; ``alpha_init`` (0.1) is sent to
     clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
     (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
@@ -87,6 +93,9 @@ class Taco(Strategy):
     gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
+    Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
+    is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
+    alphas, expulsion and z (the paper's row for both off on adult Dir(0.5), 78.88%, is its FedAvg figure in Table V).
     Note: ``assign`` records the client as a recipient of the current version (call it only when sending).
 
     Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
@@ -144,9 +153,8 @@ class Taco(Strategy):
     def assign(self, round_: int, client_id: str) -> Assignment:
         a = super().assign(round_, client_id)
         a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
-        if self.last_step is not None and (
-            self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
-        ):
+        missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
+        if self.params["tailored_correction"] and self.last_step is not None and missed:
             a.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
         self.last_sent[client_id] = self.version
         return a
@@ -206,7 +214,7 @@ class Taco(Strategy):
         rows = rnd.store()
         if not len(rows):  # every update came from an expelled client
             return rnd.weights
-        alphas = store_alphas(rows)
+        alphas = store_alphas(rows, self.params["alpha_reference"], self.last_step)
         candidates = []
         for cid, a in zip(rows.keys, alphas, strict=True):
             self.alpha[cid] = float(a)
@@ -216,11 +224,13 @@ class Taco(Strategy):
         chosen = np.array([cid not in expelled_now for cid in rows.keys])
         if not (self.params["drop_on_expel_round"] and chosen.any()):
             chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
-        if chosen.all() and alphas.sum() <= EPS:
-            step = rows.mean()  # eq. 9's uniform fallback: the running sum already holds it, no pass over the rows
+        tailored = self.params["tailored_aggregation"]
+        coefs = alphas if tailored else np.ones(len(rows))
+        if chosen.all() and (not tailored or alphas.sum() <= EPS):
+            step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
         else:
             p = np.zeros(len(rows))
-            p[chosen] = normalise(alphas[chosen])  # eq. 9
+            p[chosen] = normalise(coefs[chosen])  # eq. 9 (uniform if every alpha is 0)
             step = rows.weighted_sum(p)  # eta_g * Delta_{t+1}
         self.last_step = step
         self.version += 1
@@ -271,11 +281,12 @@ class TailoredCoefficients:
 
     ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
     alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
-    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)).
+    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
+    reference is the host's last global update ``w_{t-1} - w_t``.
 
     Streaming as far as the math allows: the aggregation (FedProx's or SCAFFOLD's) is folded on arrival as theirs is;
-    the alphas need every upload's cosine to the round's mean, so the deltas are also kept in the store (norms and
-    mean on arrival, one more read of each in ``finish``).
+    the alphas need every upload's cosine to the reference, so the deltas are also kept in the store (norms and mean
+    on arrival, one more read of each in ``finish``).
     """
 
     params: dict[str, Any]
@@ -283,6 +294,7 @@ class TailoredCoefficients:
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)  # type: ignore[call-arg]
         self.taco_alpha: dict[str, float] = {}
+        self.global_step: np.ndarray | None = None  # w_{t-1} - w_t, kept for "previous_global" only
 
     def alpha_of(self, client_id: str) -> float:
         return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
@@ -302,17 +314,23 @@ class TailoredCoefficients:
         rnd.store().append(update.client_id, update.delta, held_bytes(update))
 
     def close(self, rnd: Round) -> np.ndarray:
-        alphas = store_alphas(rnd.store())  # alpha_i^{t+1}, for the next round's coefficient
+        reference = self.params["alpha_reference"]
+        alphas = store_alphas(rnd.store(), reference, self.global_step)  # alpha_i^{t+1}, next round's coefficient
         new = super().close(rnd)  # type: ignore[misc]
         self.taco_alpha.update({cid: float(a) for cid, a in zip(rnd.store().keys, alphas, strict=True)})
+        if reference == "previous_global":
+            self.global_step = (rnd.weights - new).astype(np.float32)
         return new
 
     def round_metrics(self) -> dict[str, Any]:
         return {**super().round_metrics(), "alpha": dict(self.taco_alpha)}  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha)}  # type: ignore[misc]
+        step = None if self.global_step is None else self.global_step.copy()
+        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha), "global_step": step}  # type: ignore[misc]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # type: ignore[misc]
         self.taco_alpha = {str(k): float(v) for k, v in state.get("taco_alpha", {}).items()}
+        step = state.get("global_step")
+        self.global_step = None if step is None else np.asarray(step, dtype=np.float32)
