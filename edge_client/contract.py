@@ -142,6 +142,8 @@ class Contract:
 
     ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
     normalises each update by the steps its client took, so clients may be told different step counts.
+    ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
+    them but never raise them.
     """
 
     name: str
@@ -153,6 +155,7 @@ class Contract:
     returns_values: tuple[Value, ...] = ()
     uses_alpha: bool = False
     unequal_steps: bool = False
+    adaptive_steps: bool = False
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

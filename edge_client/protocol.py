@@ -259,6 +259,21 @@ class ModelFile:
 
 
 @dataclass
+class ComputeReport:
+    """Client -> server: it trained ``local_steps`` steps for ``round`` without uploading (FedUmf's unselected
+    clients), so the fleet's compute counts them; its wall and CPU seconds as ``Update`` reports them."""
+
+    round: int
+    client_id: str
+    local_steps: int
+    compute_s: float
+    cpu_s: float
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "compute"
+
+
+@dataclass
 class Evaluate:
     """Server -> one client: evaluate these weights (the global model after ``round``) on your held-out split."""
 
@@ -303,7 +318,19 @@ class Refusal:
 
 
 Message = (
-    Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | Evaluate | Evaluation | Refusal | Ack | Resync
+    Hello
+    | Assignment
+    | Update
+    | Failure
+    | Presence
+    | Stop
+    | ModelFile
+    | Evaluate
+    | Evaluation
+    | Refusal
+    | Ack
+    | Resync
+    | ComputeReport
 )
 
 
@@ -448,6 +475,14 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "round": ("round", _NONNEG),
         "run": ("run_id", _RUN),
     },
+    "compute": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "local_steps": ("local_steps", _int(1)),
+        "compute_s": ("compute_s", _float(0.0)),
+        "cpu_s": ("cpu_s", _float(0.0)),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
     "evaluate": {
         "round": ("round", _NONNEG),
@@ -497,6 +532,7 @@ _CLASSES: dict[str, type] = {
         Refusal,
         Ack,
         Resync,
+        ComputeReport,
     )
 }
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors

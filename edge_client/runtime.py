@@ -30,6 +30,7 @@ from edge_client.models import build_model, fingerprint, parameter_layout
 from edge_client.protocol import (
     Ack,
     Assignment,
+    ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
@@ -82,10 +83,12 @@ class EdgeClient:
         train: TrainFn = train_local,
         holdout: ArrayDataset | None = None,
         allowed: AllowedCode = NOTHING,
+        device_class: str | None = None,
     ) -> None:
         """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
         model or task factory the server names may be imported from (``edge_client.factories``)."""
         self.client_id = validate_client_id(client_id)
+        self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
         self.holdout = holdout
         self.allowed = allowed
@@ -148,7 +151,7 @@ class EdgeClient:
         return Hello(
             client_id=self.client_id,
             num_samples=len(self.dataset),
-            device=device.device_info(),
+            device=device.device_info() | ({"device_class": self.device_class} if self.device_class else {}),
             model=model,
             eval_samples=len(self.holdout) if self.holdout is not None else 0,
         )
@@ -354,7 +357,10 @@ class EdgeClient:
             return
         self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
-        if not assignment.upload:
+        if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
+            report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,
+                                   result.cpu_s, run_id=assignment.run_id)  # fmt: skip
+            self.link.publish(self.topics.up(self.client_id), encode(report))
             self._mark_served(assignment)
             log.info(
                 "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",

@@ -10,9 +10,11 @@ strategy's running sums at once and only its scalars are kept, so the server doe
 aggregate that is still not finite drops the round (the model stays as it was, the strategy's state is restored): a
 run never ends because of what a client sent.
 
-The deadline is ``clients.round_deadline_s``, or derived from the previous round's slowest compute time
-(``clients.deadline_factor``); each round's is recorded in its metrics row. After every round the model and the
-strategy's state are checkpointed (``server.checkpoint``), so a restarted server resumes.
+The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
+(``clients.deadline_factor``, ``server.deadlines``); the steps each client is told may be fitted to a round budget
+(``train.steps_policy``, ``server.steps_policy``). Each round's deadline and every prediction are recorded in its
+metrics row. After every round the model and the strategy's state are checkpointed (``server.checkpoint``), so a
+restarted server resumes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +37,7 @@ from edge_client.data import ArrayDataset
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
+    ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
@@ -55,16 +59,21 @@ from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
+from server.compute_reports import ComputeReports
 from server.config import RunConfig
+from server.deadlines import DeviceTimes, round_deadline
 from server.delivery import Delivery
 from server.evaluation import Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
+from server.fleet_summary import device_class, fleet_summary, parallel_round_s
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
+from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
+from server.timeline import plot_timeline
 
 log = logging.getLogger("edgefl.server")
 
@@ -113,6 +122,7 @@ class Orchestrator:
         summary_extra: dict[str, Any] | None = None,
         root: ArrayDataset | None = None,
         link: Link | None = None,
+        times: DeviceTimes | None = None,
     ) -> None:
         self.config = config
         self.model_spec = model_spec
@@ -144,6 +154,10 @@ class Orchestrator:
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
+        self.times = times or DeviceTimes()  # each client's measured speed and transfers: deadlines and steps
+        self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
+        self.reports = ComputeReports()  # what clients told to train without uploading spent
+        self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
@@ -205,6 +219,11 @@ class Orchestrator:
                 self._accept(topic, sender, msg)
             elif isinstance(msg, Failure):
                 self._failed(sender, msg)
+            elif isinstance(msg, ComputeReport):
+                entry = self.reports.take(sender, msg, self.run_id)
+                self.times.record_compute(msg.round, sender, msg.compute_s, msg.local_steps)
+                log.info("round %d: %s trained %d steps without uploading, compute %.3f s", entry["round"], sender,
+                         msg.local_steps, msg.compute_s)  # fmt: skip
             elif isinstance(msg, Evaluation):
                 record = self.clients.get(sender)
                 self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
@@ -237,7 +256,7 @@ class Orchestrator:
                 "client %s registered: %d samples, %s",
                 sender,
                 hello.num_samples,
-                {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count")},
+                {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count", "device_class")},
             )
 
     def _check_model(self, sender: str, hello: Hello) -> None:
@@ -277,6 +296,7 @@ class Orchestrator:
                 state.failed.setdefault(sender, f"rejected: {exc.reason}")
             raise
         assert state is not None and self.folding is not None  # admission refuses updates outside a round
+        self.times.arrived(sender)
         state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
         log.info(
@@ -337,23 +357,23 @@ class Orchestrator:
         excluded = self.strategy.excluded()
         return [c for c in self.online() if c not in excluded]
 
-    def deadline(self, slowest_compute_s: float | None) -> float:
-        """This round's deadline: fixed, or factor x the last round's slowest compute time + margin, within bounds."""
-        c = self.config.clients
-        if not c.deadline_factor or not slowest_compute_s:  # nothing measured yet
-            return c.round_deadline_s
-        derived = c.deadline_factor * slowest_compute_s + c.deadline_margin_s
-        return min(c.round_deadline_s, max(c.deadline_floor_s, derived))
-
-    def _assign(self, round_: int, version: int, weights: np.ndarray, deadline_s: float) -> dict[str, Any]:
-        """Select, then tell every chosen client its assignment; ``self.current`` is the round from here on."""
+    def _assign(self, round_: int, version: int, weights: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Select, fit the steps, set the deadline from the predictions, then tell every chosen client its assignment;
+        ``self.current`` is the round from here on. What each client was told, and each selected one's prediction."""
         available = self.available()
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
-        state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
-        told: dict[str, Any] = {}
+        planned = {}
         for cid in [*selected, *train_only]:
             a = self.strategy.assign(round_, cid)
+            planned[cid] = replace(a, local_steps=self.steps_policy.steps(cid, a.local_steps))
+        predictions = {cid: self.times.predict(cid, planned[cid].local_steps) for cid in selected}
+        deadline_s = round_deadline(self.config.clients, predictions)
+        state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
+        self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
+        self.times.round_started()
+        told: dict[str, Any] = {}
+        for cid, a in planned.items():
             a = replace(
                 a,
                 round=round_,
@@ -370,8 +390,9 @@ class Orchestrator:
             state.assigned_steps[cid] = a.local_steps
             self.delivery.assigned(round_, cid, a)
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
+            self.times.sent(cid)
             told[cid] = {**assignment_summary(a), "bytes_down": self.link.publish(self.topics.down(cid), encode(a))}
-        return told
+        return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     def _collect(self, state: RoundState) -> None:
         deadline = time.monotonic() + state.deadline_s
@@ -414,6 +435,8 @@ class Orchestrator:
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
+            if self.on_ready is not None:
+                self.on_ready()
             weights = self._train(weights, metrics, exporter)
         finally:
             exporter.close()  # its last export is published before the link goes down
@@ -423,6 +446,7 @@ class Orchestrator:
             self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
         )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
+        classes = {cid: device_class(record.device) for cid, record in self.clients.items()}
         summary = summarize(
             metrics.rows,
             self.target,
@@ -435,6 +459,7 @@ class Orchestrator:
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
             per_client=client_summary(metrics.rows),
+            **fleet_summary(metrics.rows, classes, self.target),
         )
         last = metrics.rows[-1] if metrics.rows else {}
         summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
@@ -442,13 +467,14 @@ class Orchestrator:
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
             plot_report(metrics.rows, self.target, self.out_dir / "report.png", title)
+            plot_timeline(metrics.rows, self.out_dir / "timeline.png", title, classes)
         return summary
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, MetricsLog]:
         """The starting model and metrics log: fresh, or restored from an unfinished run's checkpoint in ``out_dir``
         (after ``strategy.setup``, whose initial state the checkpoint then overwrites)."""
         metrics = MetricsLog(self.out_dir / "metrics.jsonl")
-        self.version, self.last_round, self.slowest_compute_s = 0, 0, None
+        self.version, self.last_round = 0, 0
         resumed = self.checkpoint.load(self.strategy, self.num_params)
         if resumed is None:
             self.run_id = uuid.uuid4().hex[:12]
@@ -456,8 +482,7 @@ class Orchestrator:
             return weights, metrics
         self.version, self.last_round, self.run_id = resumed.model_version, resumed.round, resumed.run_id
         metrics.resume(self.last_round)
-        if metrics.rows:
-            self.slowest_compute_s = metrics.rows[-1]["slowest_compute_s"]
+        self.times.replay(metrics.rows)
         log.warning(
             "resuming run %s from round %d (checkpoint %s, model version %d): rounds %d-%d to go",
             self.run_id,
@@ -495,9 +520,9 @@ class Orchestrator:
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
             t0 = time.monotonic()
-            deadline_s = self.deadline(self.slowest_compute_s)
-            told = self._assign(round_, version, weights, deadline_s)
+            told, predictions = self._assign(round_, version, weights)
             state = self.current
+            assign_s = time.monotonic() - t0
             self.live.round_started(round_, t0 - start, told)
             assert state is not None
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
@@ -523,6 +548,7 @@ class Orchestrator:
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
+                "assign_s": assign_s,
                 "aggregate_s": t_eval - t_agg,
                 "eval_s": t_clients - t_eval,
                 "client_eval_wait_s": done - t_clients,  # server clock: request, device evaluation, reports
@@ -532,13 +558,20 @@ class Orchestrator:
                 "missing": sorted(state.selected - set(state.received)),
                 "failed": dict(state.failed),
                 "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
-                "deadline_s": deadline_s,
+                "deadline_s": state.deadline_s,
+                "predictions": predictions,
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
+                "train_only": self.reports.drain(),
                 "instructions": told,
                 "rejected": dict(self.link.rejections - rejected_before),  # by reason
                 "excluded": sorted(self.strategy.excluded()),
                 "algorithm": self.strategy.round_metrics(),
             }
+            if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
+                row["parallel_round_s"] = parallel_round_s(row)
+                row["parallel_elapsed_s"] = row["parallel_round_s"] + (
+                    metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0
+                )
             if dropped:
                 row["dropped"] = dropped
             if client_eval is not None:
@@ -548,7 +581,6 @@ class Orchestrator:
             rejected_before = Counter(self.link.rejections)
             metrics.append(row)
             self.checkpoint.save(weights, round_, version, self.strategy, self.run_id)
-            self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
             value = self.target.of(row)
             if self.target.better(value, best):  # model.onnx is always the best global model so far
                 best = value
@@ -577,16 +609,18 @@ class Orchestrator:
         self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
         return self.federated.result(state)
 
-    @staticmethod
-    def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+    def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+        bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)
         return {
+            "device_class": device_class(self.clients[u.client_id].device),
+            **self.times.record(state.round, u, bytes_down, bytes_up),
             "compute_s": u.compute_s,
             "cpu_s": u.cpu_s,
             "local_steps": u.local_steps,
             "num_samples": u.num_samples,
             "train_loss": u.train_loss,
-            "bytes_up": state.bytes_up.get(u.client_id, 0),
-            "bytes_down": told[u.client_id]["bytes_down"],
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
             "device": u.metrics,
         }
 

@@ -19,6 +19,7 @@ from server.experiments.tables import (
     alpha_rounds_csv,
     alpha_table,
     compute_table,
+    fleet_table,
     freeloader_table,
     plot_alphas,
     time_table,
@@ -81,6 +82,23 @@ def test_time_and_compute_tables() -> None:
     assert rows == [["fedavg", "200", "80"], ["stem", "100", "40"]]
     _, rows = compute_table(records)
     assert rows == [["fedavg", "2.000s (+0.00%)", "5,000"], ["stem", "3.000s (+50.00%)", "5,000"]]
+
+
+def test_the_parallel_clock_column_and_the_fleet_table_appear_only_for_fleets() -> None:
+    fleet = {"spec": "pi4:1,pi3:1"}
+    classes = {"pi3": {"rounds_missed": 2, "s_per_100_steps": 4.0}, "pi4": {"rounds_missed": 0, "s_per_100_steps": 1.0}}
+    records = [_record("fedavg", 0, 0.7, 20, fleet=fleet, per_class=classes), _record("fedavg", 1, 0.7, 10)]
+    for record, per_round in zip(records, (3.0, None), strict=True):
+        for point in record["curve"]:
+            point["parallel_elapsed_s"] = per_round and per_round * point["round"]
+    header, rows = time_table(records, 0.7)
+    assert header[1:3] == ["iid wall clock to 70% (s)", "iid parallel clock to 70% (s)"]
+    assert rows == [["fedavg", "150", "60 (1/2)", "60"]]  # only the fleet run kept the parallel clock
+    header, rows = fleet_table(records)
+    assert rows == [["fedavg", "pi3 2 · pi4 0", "pi3 4 · pi4 1"]]
+    assert fleet_table([_record("fedavg", 0, 0.7, 20)]) is None
+    assert time_table([_record("fedavg", 0, 0.7, 20)], 0.7)[0][1:] == ["iid wall clock to 70% (s)",
+                                                                     "iid client compute to 70% (s)"]  # fmt: skip
 
 
 def test_freeloader_table_counts_true_and_false_positives() -> None:
@@ -202,6 +220,24 @@ def test_variants_override_the_base_configuration() -> None:
     data["bench"]["variants"][1]["algorithms"] = ["drag"]
     with pytest.raises(ConfigError, match=r"bench\.variants\[1\]\.algorithms.*drag"):
         parse_suite("x", data, "x.toml")
+
+
+def test_an_algorithm_override_applies_to_its_runs_only() -> None:
+    data = {
+        "bench": {
+            "algorithms": ["fedavg", "fednova"],
+            "partitions": ["iid"],
+            "seeds": [0],
+            "overrides": {"fednova": {"train": {"steps_policy": "deadline", "round_budget_s": 2.0}}},
+        },
+    }
+    runs = parse_suite("x", data, "x.toml").runs()
+    assert [(r.algorithm, r.config.train.steps_policy, r.config.train.round_budget_s) for r in runs] == [
+        ("fedavg", "fixed", 0.0),
+        ("fednova", "deadline", 2.0),
+    ]
+    with pytest.raises(ConfigError, match=r"bench\.overrides\.NAME"):
+        parse_suite("x", {"bench": {**data["bench"], "overrides": {"fednova": 1}}}, "x.toml")
 
 
 @pytest.mark.integration

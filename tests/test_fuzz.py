@@ -90,6 +90,8 @@ updates = st.builds(
 failures = st.builds(P.Failure, nonneg, ids, st.text("abz_", min_size=1, max_size=8), text, run_ids)
 presences = st.builds(P.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
 stops = st.builds(P.Stop, text, run_ids)
+reports = st.builds(P.ComputeReport, nonneg, ids, st.integers(1, 2**31), st.floats(0.0, 1e6), st.floats(0.0, 1e6),
+                    run_ids)  # fmt: skip
 models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
 
 
@@ -101,7 +103,7 @@ def chunks(draw: st.DrawFn) -> P.Chunk:
     return P.decode(draw(st.sampled_from(frames)))  # type: ignore[return-value]
 
 
-messages = st.one_of(hellos, assignments, updates, failures, presences, stops, models, chunks())
+messages = st.one_of(hellos, assignments, updates, failures, presences, stops, models, reports, chunks())
 frames = messages.map(lambda m: bytes(P.encode(m)))
 
 
@@ -178,6 +180,7 @@ def test_every_truncation_of_each_message_type() -> None:
         ),
         P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
         P.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
+        P.ComputeReport(1, "pi-01", 50, 1.25, 1.1, run_id="r1"),
         P.Presence("pi-01", True),
         P.Stop("done"),
         P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),

@@ -78,6 +78,7 @@ MESSAGES = [
     P.Stop("done"),
     P.Stop("done", run_id="3f2a9c1b7d4e"),
     P.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
+    P.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
 ]
 
 

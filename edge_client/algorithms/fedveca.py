@@ -36,6 +36,7 @@ CONTRACT = Contract(
         Value("delta", "local gradient divergence estimate (Alg. 2 lines 17-18)", high=1e9),
     ),
     unequal_steps=True,
+    adaptive_steps=True,
 )  # fmt: skip
 
 

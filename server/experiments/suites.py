@@ -17,6 +17,9 @@ A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clien
     clients = { fraction = 0.1 }
     algorithms = ["fedumf"]                  # optional: only these of the suite's algorithms run in this variant
 
+    [bench.overrides.fednova]                # optional: sections one algorithm's runs override
+    train = { steps_policy = "deadline", round_budget_s = 1.6 }
+
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
 
@@ -72,10 +75,18 @@ class Suite:
     partitions: list[str]
     seeds: list[int]
     variants: list[Variant]
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # algorithm -> sections its runs override
     mode: str = "inprocess"
     description: str = ""
     paper: str = ""
     scaled: str = ""
+
+    def use_fleet(self, devices: str) -> None:
+        """Run every cell on this fleet (``bench --fleet``); the client count follows it."""
+        self.base = _merge(self.base, {"fleet": {"devices": devices}})
+        self.base.get("clients", {}).pop("count", None)
+        for variant in self.variants:
+            variant.overrides.get("clients", {}).pop("count", None)
 
     def runs(self) -> list[RunSpec]:
         """Every run, each validated; all algorithms of a column share the partition and seeds."""
@@ -87,6 +98,7 @@ class Suite:
                         if variant.algorithms is not None and algorithm not in variant.algorithms:
                             continue
                         data = _merge(self.base, variant.overrides)
+                        data = _merge(data, self.overrides.get(algorithm, {}))
                         data = _merge(
                             data,
                             {
@@ -136,7 +148,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     bench = data.pop("bench", None)
     if not isinstance(bench, dict):
         raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
-    known = {"algorithms", "partitions", "seeds", "variants", "mode", "description", "paper", "scaled"}
+    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "description", "paper", "scaled"}
     unknown = sorted(set(bench) - known)
     if unknown:
         raise ConfigError(
@@ -159,6 +171,11 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         stray = sorted(set(variant.algorithms or []) - set(algorithms))
         if stray:
             raise ConfigError(f"{where}: bench.variants[{i}].algorithms names {stray}, not in bench.algorithms")
+    overrides = bench.get("overrides", {})
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise ConfigError(
+            f"{where}: bench.overrides.NAME must be tables of the sections that algorithm's runs override"
+        )
     suite = Suite(
         name=name,
         base=data,
@@ -166,6 +183,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         partitions=_str_list(bench, "partitions", where),
         seeds=_str_list(bench, "seeds", where, kind=int),
         variants=variants,
+        overrides=overrides,
         mode=mode,
         description=str(bench.get("description", "")),
         paper=str(bench.get("paper", "")),

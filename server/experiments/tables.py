@@ -3,7 +3,8 @@
 - ``accuracy``: TACO Table V: final accuracy mean +- std over seeds after R rounds, and rounds to the target (the
   mean over seeds; ``x`` when no seed reached it, ``k/n`` appended when only k of n seeds did).
 - ``time_to_accuracy``: TACO's time-to-accuracy: wall clock and client compute (the slowest client's compute per
-  round, summed; network excluded) until the target.
+  round, summed; network excluded) until the target, and the parallel clock when the runs kept one (in-process: each
+  round as long as its slowest device, ``server.fleet_summary``).
 - ``compute``: TACO Table I: client seconds per 100 local updates, with the percentage over FedAvg, and the local
   updates a run made in all (honest clients; what FedVeca's tau accounting compares).
 - ``freeloaders``: TACO Table VIII: TPR (expelled freeloaders / freeloaders) and FPR (expelled honest clients /
@@ -11,6 +12,7 @@
 - ``alpha``: TACO Table II: the mean alpha_i (eq. 7) per group of clients (TACO's label groups A/B/C on
   ``taco-groups``, else honest; freeloaders apart), for the algorithms that compute it; ``alpha_per_round.csv`` has
   the group means round by round and every such run gets ``alpha.png`` (alpha per client over rounds) in its folder.
+- ``fleet``: per device class, rounds missed and seconds per 100 local steps, only when the runs had a fleet.
 Each table is written as Markdown and CSV; ``report.md`` holds them all with the suite's description and the plots.
 Rows are the algorithms and columns the variant and partition, except in a suite of one algorithm in several
 variants (an ablation): there the variants are the rows and the partitions the columns.
@@ -109,7 +111,8 @@ def _to_target(runs: Runs, target: float, what: str) -> list[float | None]:
         for point in r["curve"]:
             compute += point["slowest_compute_s"]
             if point["accuracy"] >= target:
-                value = {"round": point["round"], "wall": point["elapsed_s"], "compute": compute}[what]
+                value = {"round": point["round"], "wall": point["elapsed_s"], "compute": compute,
+                         "parallel": point.get("parallel_elapsed_s")}[what]  # fmt: skip
                 break
         out.append(value)
     return out
@@ -128,13 +131,14 @@ def accuracy_table(records: Runs, target: float) -> Table:
 
 def time_table(records: Runs, target: float) -> Table:
     to = f"to {target * 100:g}% (s)"
-    return _table(
-        records,
-        [
-            (f"wall clock {to}", lambda runs, _: _reached(_to_target(runs, target, "wall"), "{:.3g}")),
-            (f"client compute {to}", lambda runs, _: _reached(_to_target(runs, target, "compute"), "{:.3g}")),
-        ],
-    )
+    fields: list[Field] = [
+        (f"wall clock {to}", lambda runs, _: _reached(_to_target(runs, target, "wall"), "{:.3g}")),
+        (f"client compute {to}", lambda runs, _: _reached(_to_target(runs, target, "compute"), "{:.3g}")),
+    ]
+    if any(r["curve"] and r["curve"][0].get("parallel_elapsed_s") is not None for r in records):
+        fields.insert(1, (f"parallel clock {to}", lambda runs, _: _reached(_to_target(runs, target, "parallel"),
+                                                                              "{:.3g}")))  # fmt: skip
+    return _table(records, fields)
 
 
 def _per_100(runs: Runs) -> float | None:
@@ -276,6 +280,28 @@ def plot_alphas(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _per_class(runs: Runs, key: str, fmt: str) -> str:
+    """``pi3 4 · pi4 0`` : a per_class figure of summary.json per class, the mean over runs."""
+    classes = sorted({c for r in runs for c in r["summary"].get("per_class", {})})
+    cells = []
+    for c in classes:
+        values = [v for r in runs if (v := r["summary"].get("per_class", {}).get(c, {}).get(key)) is not None]
+        cells.append(f"{c} {fmt.format(statistics.fmean(values))}" if values else f"{c} -")
+    return " · ".join(cells) or "-"
+
+
+def fleet_table(records: Runs) -> Table | None:
+    if not any(r["summary"].get("fleet") for r in records):
+        return None
+    return _table(
+        records,
+        [
+            ("rounds missed per class", lambda runs, _: _per_class(runs, "rounds_missed", "{:.3g}")),
+            ("s / 100 local steps per class", lambda runs, _: _per_class(runs, "s_per_100_steps", "{:.3g}")),
+        ],
+    )
+
+
 def markdown(table: Table) -> str:
     header, rows = table
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -337,6 +363,7 @@ def write_report(suite: Suite, records: list[dict[str, Any]], out_dir: Path, *, 
         "compute": compute_table(records),
         "freeloaders": freeloader_table(records),
         "alpha": alpha_table(records),
+        "fleet": fleet_table(records),
     }
     titles = {
         "accuracy": "Round-to-accuracy (TACO Table V layout)",
@@ -344,6 +371,7 @@ def write_report(suite: Suite, records: list[dict[str, Any]], out_dir: Path, *, 
         "compute": "Client computation time per 100 local updates (TACO Table I layout)",
         "freeloaders": "Freeloader detection (TACO Table VIII: TPR / FPR)",
         "alpha": f"Mean alpha_i per group of clients from round {ALPHA_FROM_ROUND} (TACO Table II layout)",
+        "fleet": "Device classes: rounds missed and device seconds per 100 local steps (mean over seeds)",
     }
     parts = [f"# bench {suite.name}", ""]
     if suite.description:
