@@ -9,8 +9,8 @@
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
 [eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
              deadline_s, holdout (simulated devices)
-[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, steps_policy,
-             round_budget_s, tau_min, tau_max
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, store_ram_mb,
+             steps_policy, round_budget_s, tau_min, tau_max
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
@@ -30,6 +30,7 @@ from typing import Any
 import tomllib
 
 from edge_client.algorithms import contract_of
+from server.strategies.store import DEFAULT_RAM_BYTES
 
 
 class ConfigError(ValueError):
@@ -99,6 +100,9 @@ class TrainSection:
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = 1e4
+    # MiB of a round's updates that TACO, FoolsGold, DRAG's first round and the TACO-tailored variants keep in RAM
+    # until all are in; the rest go to a memory-mapped file in the run directory (0: all of them)
+    store_ram_mb: int = DEFAULT_RAM_BYTES >> 20
     # "deadline": each client gets the most local steps it can finish in round_budget_s from its measured speed, in
     # [tau_min, tau_max] (server/steps_policy.py); only for algorithms whose contract tolerates unequal steps
     steps_policy: str = "fixed"
@@ -177,6 +181,7 @@ class RunConfig:
             ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
+            ("train.store_ram_mb", self.train.store_ram_mb >= 0, "MiB >= 0 (0: every stored update goes to the file)"),
             ("train.steps_policy", self.train.steps_policy in ("fixed", "deadline"), "'fixed' or 'deadline'"),
             ("train.round_budget_s", self.train.round_budget_s >= 0, "seconds >= 0"),
             ("train.tau_min", self.train.tau_min >= 1, "an integer >= 1"),

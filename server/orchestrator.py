@@ -5,8 +5,10 @@ round; a client whose last will says it went offline, or that reports it cannot 
 for. Every update passes ``server.admission`` (the round's bookkeeping and the algorithm's contract) before it can
 reach the strategy; what is refused is logged with the client id and counted by reason, and the round goes on. A
 sender may hold at most the bytes of one legitimate update of this round in partial chunked messages and in the
-link's queue, so a flood from one device cannot crowd out another's upload. An aggregate that is still not finite
-drops the round (the model stays as it was): a run never ends because of what a client sent.
+link's queue, so a flood from one device cannot crowd out another's upload. An admitted update is folded into the
+strategy's running sums at once and only its scalars are kept, so the server does not hold a round's updates. An
+aggregate that is still not finite drops the round (the model stays as it was, the strategy's state is restored): a
+run never ends because of what a client sent.
 
 The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
 (``clients.deadline_factor``, ``server.deadlines``); the steps each client is told may be fitted to a round budget
@@ -69,7 +71,7 @@ from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
-from server.strategies.base import assignment_summary
+from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
 from server.timeline import plot_timeline
 
@@ -137,6 +139,7 @@ class Orchestrator:
         self.clients: dict[str, ClientRecord] = {}
         self.client_samples: dict[str, int] = {}  # shared with the strategy's context
         self.current: RoundState | None = None
+        self.folding: Round | None = None  # the current round's aggregation, fed as updates are admitted
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
         self.layout = parameter_layout(build_model(model_spec))
@@ -292,9 +295,9 @@ class Orchestrator:
             if owed and sender not in state.received:  # its one update of the round is refused: do not wait for it
                 state.failed.setdefault(sender, f"rejected: {exc.reason}")
             raise
-        assert state is not None  # admission refuses updates outside a round
+        assert state is not None and self.folding is not None  # admission refuses updates outside a round
         self.times.arrived(sender)
-        state.received[sender] = update
+        state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
         log.info(
             "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
@@ -413,7 +416,14 @@ class Orchestrator:
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
             ServerContext(
-                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+                self.model_spec,
+                self.num_params,
+                self.client_samples,
+                self.root,
+                self.config.run.seed,
+                self.task,
+                run_dir=self.out_dir,
+                store_ram_bytes=self.config.train.store_ram_mb << 20,
             )
         )
         weights, metrics = self._resume(weights)
@@ -484,11 +494,11 @@ class Orchestrator:
         )
         return resumed.weights, metrics
 
-    def _aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> tuple[np.ndarray, str | None]:
+    def _aggregate(self, round_: int, weights: np.ndarray, folding: Round) -> tuple[np.ndarray, str | None]:
         """The next model, or the current one and why the round was dropped (the strategy's state is restored)."""
         before = pack_state(self.strategy)
         try:
-            new = self.strategy.aggregate(round_, weights, updates)
+            new = self.strategy.finish(folding)
             if np.all(np.isfinite(new)):
                 return new, None
             reason = "non_finite_aggregate"
@@ -515,13 +525,14 @@ class Orchestrator:
             assign_s = time.monotonic() - t0
             self.live.round_started(round_, t0 - start, told)
             assert state is not None
+            self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
             self._collect(state)
-            self.current = None
-            updates = [state.received[c] for c in sorted(state.received)]
+            self.current, folding, self.folding = None, self.folding, None
+            updates = [state.received[c] for c in sorted(state.received)]  # without their vectors
             t_agg = time.monotonic()
             dropped = None
-            if updates:
-                weights, dropped = self._aggregate(round_, weights, updates)
+            if updates and folding is not None:
+                weights, dropped = self._aggregate(round_, weights, folding)
                 version += dropped is None
             t_eval = time.monotonic()
             due = self.federated.due(round_)

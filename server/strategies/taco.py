@@ -5,6 +5,13 @@ Per round t, over the active (non-expelled) clients that reported: the tailored 
 every alpha is 0), strikes for ``alpha_i >= kappa`` and expulsion after ``lambda`` strikes (eq. 10). Each client is
 told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
 ``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
+
+Not streamed: eq. 7 weights each upload by its share of all the round's upload norms and by its cosine to the mean
+of all of them (or to the last global update, ``alpha_reference = "previous_global"``), known only when the last one
+is in. Uploads are kept in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in
+the run directory); on arrival each one's norm and the running sum are taken while it is in cache, and ``finish``
+reads each upload twice more: its dot with the mean, then the alpha-weighted sum (skipped for an alpha of 0, and not
+needed at all when every alpha is 0: the uniform mean is the running sum).
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import numpy as np
 
 from edge_client.algorithms.taco import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import ServerContext, Strategy, TrainSettings
-from server.strategies.common import EPS, cosine, normalise, weighted_sum
+from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
+from server.strategies.common import EPS, normalise
+from server.strategies.store import UpdateStore, held_bytes
 
 log = logging.getLogger("edgefl.server")
 
@@ -33,16 +41,29 @@ def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.
     0); when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
     Returns float64 alphas in [0, 1), one per delta, in order.
     """
-    n = len(deltas)
-    if n == 0:
+    if not deltas:
         return np.zeros(0)
-    norms = np.array([float(np.linalg.norm(d)) for d in deltas])
+    rows = UpdateStore(deltas[0].size)
+    for i, d in enumerate(deltas):
+        rows.append(str(i), d)
+    return store_alphas(rows, reference, previous)
+
+
+def store_alphas(rows: UpdateStore, reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7 (see ``taco_alphas``) over the rows of a store: norms and mean from arrival, one read of each row."""
+    norms = np.array(rows.norms)
     total = float(norms.sum())
-    ref = weighted_sum([1.0 / n] * n, deltas, deltas[0]) if reference == "mean" else previous
+    ref = rows.mean() if reference == "mean" else previous
     if total <= EPS or ref is None:
-        return np.zeros(n)
-    cos = np.array([max(cosine(d, ref), 0.0) for d in deltas])
-    return (1.0 - norms / total) * cos
+        return np.zeros(len(norms))
+    ref_norm = float(np.linalg.norm(ref))
+    if ref_norm < EPS:
+        return np.zeros(len(norms))
+    dots = rows.dots(ref)
+    cos = np.zeros(len(norms))
+    ok = norms >= EPS
+    cos[ok] = dots[ok] / (norms[ok] * ref_norm)
+    return (1.0 - norms / total) * np.maximum(cos, 0.0)
 
 
 class Taco(Strategy):
@@ -176,29 +197,44 @@ class Taco(Strategy):
             )
         return set(candidates)
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        gone = set(self.expelled)
-        stale = [u.client_id for u in updates if u.client_id in gone]
-        if stale:
-            log.warning("%s: round %d: ignoring updates of expelled clients %s", self.name, round_, stale)
-        updates = [u for u in updates if u.client_id not in gone]
-        if not updates:
-            return weights
-        alphas = taco_alphas([u.delta for u in updates], self.params["alpha_reference"], self.last_step)
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = super().begin(round_, weights)
+        rnd.rows = self.update_store(weights.size)
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        if update.client_id in self.expelled:
+            log.warning(
+                "%s: round %d: ignoring the update of expelled client %s", self.name, rnd.number, update.client_id
+            )
+            return
+        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        rows = rnd.store()
+        if not len(rows):  # every update came from an expelled client
+            return rnd.weights
+        alphas = store_alphas(rows, self.params["alpha_reference"], self.last_step)
         candidates = []
-        for u, a in zip(updates, alphas, strict=True):
-            self.alpha[u.client_id] = float(a)
-            if self._strike(u.client_id, float(a)):
-                candidates.append(u.client_id)
-        expelled_now = self._expel(round_, candidates)
-        keep = [u for u in updates if u.client_id not in expelled_now]
-        chosen = keep if self.params["drop_on_expel_round"] and keep else updates
+        for cid, a in zip(rows.keys, alphas, strict=True):
+            self.alpha[cid] = float(a)
+            if self._strike(cid, float(a)):
+                candidates.append(cid)
+        expelled_now = self._expel(rnd.number, sorted(candidates))  # in client order, whatever the arrival order
+        chosen = np.array([cid not in expelled_now for cid in rows.keys])
+        if not (self.params["drop_on_expel_round"] and chosen.any()):
+            chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
         tailored = self.params["tailored_aggregation"]
-        p = normalise([self.alpha[u.client_id] if tailored else 1.0 for u in chosen])  # eq. 9 (uniform if all 0)
-        step = weighted_sum(p, (u.delta for u in chosen), weights)  # eta_g * Delta_{t+1}
+        coefs = alphas if tailored else np.ones(len(rows))
+        if chosen.all() and (not tailored or alphas.sum() <= EPS):
+            step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
+        else:
+            p = np.zeros(len(rows))
+            p[chosen] = normalise(coefs[chosen])  # eq. 9 (uniform if every alpha is 0)
+            step = rows.weighted_sum(p)  # eta_g * Delta_{t+1}
         self.last_step = step
         self.version += 1
-        return weights - step
+        return rnd.weights - step
 
     def excluded(self) -> set[str]:
         return set(self.expelled)
@@ -247,6 +283,10 @@ class TailoredCoefficients:
     alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
     (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
     reference is the host's last global update ``w_{t-1} - w_t``.
+
+    Streaming as far as the math allows: the aggregation (FedProx's or SCAFFOLD's) is folded on arrival as theirs is;
+    the alphas need every upload's cosine to the reference, so the deltas are also kept in the store (norms and mean
+    on arrival, one more read of each in ``finish``).
     """
 
     params: dict[str, Any]
@@ -264,13 +304,22 @@ class TailoredCoefficients:
         a.alpha = self.alpha_of(client_id)
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = super().begin(round_, weights)  # type: ignore[misc]
+        rnd.rows = self.update_store(weights.size)  # type: ignore[attr-defined]
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        super().add(rnd, update)  # type: ignore[misc]
+        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+
+    def close(self, rnd: Round) -> np.ndarray:
         reference = self.params["alpha_reference"]
-        alphas = taco_alphas([u.delta for u in updates], reference, self.global_step)  # alpha_i^{t+1}, next round's
-        new = super().aggregate(round_, weights, updates)  # type: ignore[misc]
-        self.taco_alpha.update({u.client_id: float(a) for u, a in zip(updates, alphas, strict=True)})
+        alphas = store_alphas(rnd.store(), reference, self.global_step)  # alpha_i^{t+1}, next round's coefficient
+        new = super().close(rnd)  # type: ignore[misc]
+        self.taco_alpha.update({cid: float(a) for cid, a in zip(rnd.store().keys, alphas, strict=True)})
         if reference == "previous_global":
-            self.global_step = (weights - new).astype(np.float32)
+            self.global_step = (rnd.weights - new).astype(np.float32)
         return new
 
     def round_metrics(self) -> dict[str, Any]:
