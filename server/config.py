@@ -6,7 +6,8 @@
              deadline_floor_s, threads
 [data]       dataset, partition
 [model]      name plus the model's keyword arguments (default: the data set's model)
-[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, codec, codec_policy,
+             upload_budget_s, codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
@@ -22,6 +23,7 @@ from typing import Any
 
 import tomllib
 
+from edge_client import codecs
 from edge_client.algorithms import contract_of
 
 
@@ -78,6 +80,15 @@ class TrainSection:
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = 1e4
+    # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
+    # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
+    # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
+    codec: str = "fp32"
+    codec_policy: str = "fixed"
+    upload_budget_s: float = 0.0
+    codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
+    # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
+    downlink_codec: str = "fp32"
 
 
 @dataclass
@@ -139,6 +150,20 @@ class RunConfig:
             ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
+            ("train.codec_policy", self.train.codec_policy in ("fixed", "link"), "'fixed' or 'link'"),
+            (
+                "train.upload_budget_s",
+                self.train.upload_budget_s > 0
+                if self.train.codec_policy == "link"
+                else self.train.upload_budget_s >= 0,
+                "seconds > 0 when train.codec_policy = 'link' (the longest an upload should take)",
+            ),
+            ("train.codec_ladder", bool(self.train.codec_ladder), "a non-empty list of codecs, least lossy first"),
+            (
+                "train.downlink_codec",
+                self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
+                "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
+            ),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",
@@ -151,6 +176,12 @@ class RunConfig:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
                 raise ConfigError(f"{key} must be {expected}; got {value!r}")
+        named = [("train.codec", self.train.codec), ("train.downlink_codec", self.train.downlink_codec)]
+        for key, text in [*named, *(("train.codec_ladder", c) for c in self.train.codec_ladder)]:
+            try:
+                codecs.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
         for name, params in {self.train.algorithm: {}, **self.algorithm}.items():
             try:
                 contract_of(name).resolve(params)

@@ -47,7 +47,9 @@ from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
+from server.codec_policy import CodecPolicy
 from server.config import RunConfig
+from server.downlink import MISMATCH, Downlink
 from server.evaluation import Evaluator
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
@@ -118,6 +120,10 @@ class Orchestrator:
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
+        t = config.train  # compression: each device's upload codec, and the model or model difference it is sent
+        self.codecs = CodecPolicy(t.codec, t.codec_policy, t.upload_budget_s, t.codec_ladder, self.strategy.contract,
+                                  self.num_params)  # fmt: skip
+        self.downlink = Downlink(t.downlink_codec, config.run.seed)
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
@@ -186,6 +192,7 @@ class Orchestrator:
                 f"({self.config.clients.max_samples}); not registered"
             )
         known = self.clients.get(sender)
+        self.downlink.forget(sender)  # a device says hello when it (re)starts: it holds no model
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
@@ -218,6 +225,8 @@ class Orchestrator:
         assert state is not None  # admission refuses updates outside a round
         state.received[sender] = update
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
+        self.codecs.observe(sender, update.metrics)
+        self.downlink.confirm(sender)
         log.info(
             "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
             state.round,
@@ -231,6 +240,8 @@ class Orchestrator:
     def _failed(self, sender: str, failure: Failure) -> None:
         if failure.client_id != sender:
             raise InvalidField(f"failure on the topic of {sender!r} claims client id {failure.client_id!r}")
+        if failure.reason == MISMATCH:
+            self.downlink.forget(sender)
         state = self.current
         if state is None or failure.round != state.round or sender not in state.selected:
             log.warning("%s could not serve round %d (%s: %s)", sender, failure.round, failure.reason, failure.detail)
@@ -282,9 +293,12 @@ class Orchestrator:
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
+        self.downlink.publish(weights)
         told: dict[str, Any] = {}
         for cid in [*selected, *train_only]:
             a = self.strategy.assign(round_, cid)
+            start, base, sha256 = self.downlink.model_for(cid) if a.weights is None else (a.weights, "", "")
+            state.codecs[cid] = self.codecs.codec_for(cid)
             a = replace(
                 a,
                 round=round_,
@@ -292,14 +306,21 @@ class Orchestrator:
                 deadline_s=deadline_s,
                 algorithm=self.strategy.name,
                 model=self.model_spec,
-                weights=weights if a.weights is None else a.weights,
+                weights=start,
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
+                codec=str(state.codecs[cid]),
+                diff_base=base,
+                model_sha256=sha256,
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
-            told[cid] = {**assignment_summary(a), "bytes_down": self.link.publish(self.topics.down(cid), encode(a))}
+            told[cid] = {
+                **assignment_summary(a),
+                **self.codecs.describe(cid),
+                "bytes_down": self.link.publish(self.topics.down(cid), encode(a)),
+            }
         return told
 
     def _collect(self, state: RoundState) -> None:

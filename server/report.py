@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,27 @@ class MetricsLog:
             fh.write(json.dumps(row) + "\n")
 
 
+def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
+    """Bytes of one round as sent: up, the updates admitted (as received); down, every assignment (as published)."""
+    up = sum(c.get("bytes_up", 0) for c in row.get("clients", {}).values())
+    down = sum(i.get("bytes_down", 0) for i in row.get("instructions", {}).values())
+    return up, down
+
+
 def summarize(rows: list[dict[str, Any]], target_accuracy: float, **extra: Any) -> dict[str, Any]:
-    """Round- and time-to-accuracy figures.
+    """Round-, time- and bytes-to-accuracy figures.
 
     ``client_compute_to_target_s`` sums, over the rounds up to the first that reached the target, the compute time of
-    that round's slowest client: TACO's time-to-accuracy metric (network time excluded).
+    that round's slowest client: TACO's time-to-accuracy metric (network time excluded). ``bytes_to_target`` sums
+    every byte moved (up and down) in those rounds; ``codec_mix`` counts the assignments per upload codec.
     """
     reached = next((r for r in rows if r["accuracy"] >= target_accuracy), None)
-    compute_to = None
+    compute_to = bytes_to = None
+    traffic = [round_bytes(r) for r in rows]
     if reached is not None:
         compute_to = sum(r["slowest_compute_s"] for r in rows if r["round"] <= reached["round"])
+        bytes_to = sum(up + down for r, (up, down) in zip(rows, traffic, strict=True) if r["round"] <= reached["round"])
+    codec_mix = Counter(i["codec"] for r in rows for i in r.get("instructions", {}).values() if "codec" in i)
     last = rows[-1] if rows else {}
     return {
         "final_accuracy": last.get("accuracy"),
@@ -54,6 +67,10 @@ def summarize(rows: list[dict[str, Any]], target_accuracy: float, **extra: Any) 
         "time_to_target_s": reached["elapsed_s"] if reached else None,
         "client_compute_to_target_s": compute_to,
         "client_compute_total_s": sum(r["slowest_compute_s"] for r in rows),
+        "bytes_up": sum(up for up, _ in traffic),
+        "bytes_down": sum(down for _, down in traffic),
+        "bytes_to_target": bytes_to,
+        "codec_mix": dict(sorted(codec_mix.items())),
         **extra,
     }
 
@@ -92,13 +109,19 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, title: str) -> None:
-    """Accuracy against rounds and against wall-clock time, with the target drawn in."""
+    """Accuracy against rounds, wall-clock time and megabytes moved (up and down), with the target drawn in."""
     rounds = [r["round"] for r in rows]
     acc = [r["accuracy"] for r in rows]
     elapsed = [r["elapsed_s"] for r in rows]
+    moved = [b / 1e6 for b in accumulate(sum(round_bytes(r)) for r in rows)]
     reached = next((i for i, a in enumerate(acc) if a >= target_accuracy), None)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, xs, label in ((axes[0], rounds, "round"), (axes[1], elapsed, "wall-clock time (s)")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    panels = (
+        (axes[0], rounds, "round", "{:.0f}"),
+        (axes[1], elapsed, "wall-clock time (s, server clock)", "{:.1f} s"),
+        (axes[2], moved, "megabytes moved, up and down (as sent)", "{:.2f} MB"),
+    )
+    for ax, xs, label, fmt in panels:
         ax.plot(xs, acc, marker="o", markersize=3)
         ax.axhline(target_accuracy, color="grey", linestyle="--", linewidth=1, label=f"target {target_accuracy:.2f}")
         if reached is not None:
@@ -107,7 +130,7 @@ def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, 
                 color="tab:green",
                 linestyle=":",
                 linewidth=1,
-                label=f"reached at {xs[reached]:.0f}" if ax is axes[0] else f"reached at {xs[reached]:.1f} s",
+                label="reached at " + fmt.format(xs[reached]),
             )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
