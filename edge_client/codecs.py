@@ -31,12 +31,14 @@ MAX_FRACTION = 0.5  # above it a top-k upload is no smaller than fp32
 #: The largest scale an int8 block may carry: 128 x it is still a finite float32, so decoded values always are.
 MAX_SCALE = float(np.finfo(np.float32).max) / 128.0
 
-#: What an algorithm's contract may declare about one array it uploads (``contract.Array.codec``):
-#: ``exact``: always float32; ``half``: float32 or float16 (round to nearest, relative error <= 2^-11);
-#: ``feedback``: any codec, and what a top-k codec leaves out is kept by the device and added to its next upload
-#: (error feedback); ``commit``: any codec, no residual: the algorithm adopts the decoded value, which is exactly what
-#: the server receives (SCAFFOLD's control-variate difference).
-RULES = ("exact", "half", "feedback", "commit")
+#: What an algorithm's contract may declare about one array it uploads (``contract.Array.codec``), and what it means.
+RULES = {
+    "exact": "always float32, whatever codec the device was told",
+    "half": "float32, or float16 when told any lossy codec (round to nearest, relative error <= 2^-11)",
+    "feedback": "the codec the device was told; what top-k leaves out is kept on the device and added to its next "
+    "upload (error feedback)",
+    "commit": "the codec the device was told, no residual: the device adopts the value as the server decodes it",
+}
 
 
 class CodecError(ValueError):

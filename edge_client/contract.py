@@ -134,7 +134,7 @@ class Array:
 
     def __post_init__(self) -> None:
         if self.codec not in RULES:
-            raise ValueError(f"array {self.name!r}: codec {self.codec!r} is not one of {RULES}")
+            raise ValueError(f"array {self.name!r}: codec {self.codec!r} is not one of {list(RULES)}")
 
 
 #: The update every algorithm uploads beside its contract's arrays: any codec, with error feedback for top-k.
@@ -322,4 +322,14 @@ def settings_markdown(contracts: Iterable[Contract]) -> str:
     for row in settings_rows(contracts):
         cells = [f"`{c}`" if i < 2 else c.replace("|", "\\|") for i, c in enumerate(row)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def codecs_markdown(contracts: Iterable[Contract]) -> str:
+    """The table of docs/algorithms.md saying which uploaded arrays may travel compressed (a test keeps them equal)."""
+    lines = ["| algorithm | uploaded array | codec rule | travels as |", "|---|---|---|---|"]
+    for c in contracts:
+        for a in c.uploads:
+            if a.name != "delta":  # every algorithm's delta: the same rule, stated once above the table
+                lines.append(f"| `{c.name}` | `{a.name}` | `{a.codec}` | {RULES[a.codec]} |")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from conftest import CHANCE, admit, make_config
 
 from edge_client import codecs as C
 from edge_client.algorithms import CONTRACTS
+from edge_client.contract import codecs_markdown
 from edge_client.protocol import ProtocolError, Update, decode, encode
 from server.codec_policy import HEADER_BYTES, CodecPolicy, upload_bytes
 from server.config import ConfigError, from_dict
@@ -170,6 +171,12 @@ def test_admission_judges_compressed_arrays_by_the_assignment_and_the_contract(
     with pytest.raises(ProtocolError) as info:
         admit(fedveca(), update, codec=told)
     assert info.value.reason == reason
+
+
+def test_docs_say_which_arrays_may_travel_compressed() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    assert codecs_markdown(CONTRACTS.values()) in text
+    assert "`scaffold` | `delta_c` | `commit`" in text and "`fedveca` | `grad` | `half`" in text
 
 
 # ---------------------------------------------------------------------------------------------------- configuration
