@@ -20,8 +20,9 @@ import numpy as np
 from server.config import ConfigError, RunConfig
 from server.strategies import Strategy
 
-#: Config keys that may change between a run and its resumption: where the broker is and how to log in.
-RESUMABLE_CHANGES = ("broker.", "run.out")
+#: Config keys that may change between a run and its resumption: where the broker is, how to log in, and how long to
+#: wait for devices to register (none of them changes what the run computes).
+RESUMABLE_CHANGES = ("broker.", "run.out", "clients.register_timeout_s")
 STATE_PREFIX = "strategy."
 
 

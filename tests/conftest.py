@@ -207,7 +207,8 @@ def make_config(
         {
             **({"model": model} if model else {}),
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
-            "clients": {"count": clients, "register_timeout_s": 60.0, **clients_section},
+            # register_timeout_s is a ceiling: a loaded machine takes over a minute to start 20 client processes
+            "clients": {"count": clients, "register_timeout_s": 180.0, **clients_section},
             "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
