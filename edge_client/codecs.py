@@ -265,24 +265,23 @@ def _dequantise(scales: np.ndarray, q: np.ndarray, block: int, out: np.ndarray) 
 
 
 def _half_to_single(bits: np.ndarray) -> np.ndarray:
-    """Finite float16 bit patterns as float32, exactly (every pattern is tested): exponent and mantissa shifted into
-    place and rescaled by 2^112, which also turns subnormals into normals, then the sign. Four vectorised passes run
-    several times faster than numpy's own conversion (0.7-2.4 GB/s on the benchmark machine)."""
-    out = np.left_shift(bits, 13, dtype=np.uint32)
-    np.bitwise_and(out, np.uint32(0x0FFFE000), out=out)
+    """Float16 bit patterns as float32, exactly (every pattern is tested), or BadValues for Inf and NaN. Sign-extended
+    and shifted, sign, exponent and mantissa land in place; rescaling by 2^112 fixes the exponent bias and turns
+    subnormals into normals, and an exponent of all ones becomes a magnitude >= 2^16, beyond float16's largest finite
+    value. Three passes and two reductions, no temporaries: about twice numpy's own conversion."""
+    out = np.left_shift(bits.view("<i2"), 13, dtype=np.int32)
+    np.bitwise_and(out, np.int32(-0x70002000), out=out)  # 0x8FFFE000: the sign, exponent and mantissa bits
     single = out.view(F4)
     single *= np.float32(2.0**112)
-    out |= np.left_shift(np.bitwise_and(bits, 0x8000), 16, dtype=np.uint32)
+    if single.max(initial=0.0) >= 65536.0 or single.min(initial=0.0) <= -65536.0:
+        raise BadValues("float16 values not finite")
     return single
 
 
 def decode_parts(lay: Layout, parts: list[np.ndarray]) -> np.ndarray:
     """The float32 vector the parts of ``lay`` encode (parts as ``np.frombuffer`` views); CodecError when invalid."""
     if lay.wire == F2.str:
-        bits = parts[0].view("<u2")
-        if np.any((bits & 0x7C00) == 0x7C00):  # exponent all ones: Inf or NaN
-            raise BadValues("float16 values not finite")
-        return _half_to_single(bits)
+        return _half_to_single(parts[0])
     out = np.empty(lay.size, F4) if lay.wire.startswith("int8") else np.zeros(lay.size, F4)
     block = int(lay.wire.rsplit(":", 1)[1]) if "int8" in lay.wire else 0
     if lay.wire.startswith("int8"):

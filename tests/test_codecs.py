@@ -130,6 +130,14 @@ def test_float16_expansion_is_exact_for_every_finite_bit_pattern() -> None:
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit, -0 and subnormals included
 
 
+def test_float16_expansion_refuses_every_infinite_and_nan_bit_pattern() -> None:
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    for pattern in bits[(bits & 0x7C00) == 0x7C00]:  # 2,048 patterns: +-Inf and every NaN
+        raw = np.array([0x3C00, pattern, 0xBC00], "<u2").tobytes()  # 1.0, the pattern, -1.0
+        with pytest.raises(C.BadValues):
+            C.decode_wire("<f2", 3, raw, 0)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("d", [0, 1, 44_426])
 def test_wire_size_is_what_the_layout_and_the_policy_count(spec: str, d: int) -> None:
