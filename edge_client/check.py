@@ -111,8 +111,9 @@ def check_broker(make_config: Callable[[], LinkConfig], client_id: str, job: str
 
 
 # ---------------------------------------------------------------------------------------------------------- data
-def check_data(path: str | None) -> Item:
-    """The data item: the runtime's loader reads the file; samples, classes and the sample shape."""
+def check_data(path: str | None, label_column: str | None = None) -> Item:
+    """The data item: the runtime's loader reads the file (a CSV with its label column); samples, classes and the
+    sample shape."""
     if not path:
         return Item("data", None, "not checked: no --data given")
     import numpy as np
@@ -120,7 +121,7 @@ def check_data(path: str | None) -> Item:
     from edge_client.data import load_local_data
 
     try:
-        data = load_local_data(path)
+        data = load_local_data(path, label_column)
     except Exception as exc:  # any reason the runtime would fail on: missing, unreadable, corrupt, wrong arrays
         return Item("data", False, f"{path}: {type(exc).__name__}: {exc}")
     if len(data) == 0:
@@ -218,10 +219,12 @@ def check_device_metrics() -> Item:
 
 
 # ----------------------------------------------------------------------------------------------------------- run
-def check_all(make_config: Callable[[], LinkConfig], client_id: str, job: str, data: str | None) -> Iterator[Item]:
+def check_all(
+    make_config: Callable[[], LinkConfig], client_id: str, job: str, data: str | None, label_column: str | None = None
+) -> Iterator[Item]:
     """Every item in order, each yielded as soon as it is known (the torch probe takes a while on a device)."""
     yield from check_broker(make_config, client_id, job)
-    yield check_data(data)
+    yield check_data(data, label_column)
     for name in PROBES:
         yield check_import(name)
     yield check_device_metrics()

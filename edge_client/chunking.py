@@ -110,7 +110,7 @@ class Reassembler:
         key = (sender, msg.msg_id)
         if key in self._delivered:
             self._delivered.move_to_end(key)
-            raise DuplicateMessage(f"{msg.TYPE} {msg.msg_id} from {sender!r} was already delivered")
+            raise DuplicateMessage(f"{msg.TYPE} {msg.msg_id} from {sender!r} was already delivered", msg.msg_id)
         self._remember(key)
         return msg
 
@@ -121,8 +121,9 @@ class Reassembler:
 
     def _add(self, sender: str, c: Chunk) -> Message | None:
         key = (sender, c.of)
-        if key in self._delivered:
-            raise DuplicateMessage(f"chunk {c.index} of {c.of} from {sender!r}: message was already delivered")
+        if key in self._delivered:  # the first chunk stands for the repeated message, the others for nothing more
+            raise DuplicateMessage(f"chunk {c.index} of {c.of} from {sender!r}: message was already delivered",
+                                   c.of if c.index == 0 else "")  # fmt: skip
         evicted: list[str] = []
         p = self._pending.get(key) or self._start(sender, key, c, evicted)
         for name in ("count", "size", "chunk_size", "sha256"):

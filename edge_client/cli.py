@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,15 @@ if TYPE_CHECKING:
 
 from edge_client import __version__
 from edge_client.chunking import DEFAULT_CHUNK_SIZE
+from edge_client.exits import ExitStatus, describe
+
+
+class Terminated(Exception):
+    """SIGTERM (``systemctl stop``): leave cleanly, telling the server this device is offline."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def _password(args: argparse.Namespace) -> str | None:
@@ -30,6 +40,9 @@ def _link_config(args: argparse.Namespace, **extra: Any) -> LinkConfig:
     return LinkConfig(url=args.broker, username=username, password=_password(args), ca_file=args.ca_file, **extra)
 
 
+LABEL_COLUMN_HELP = "CSV data: the column holding the target (every other one is a numeric feature)"
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from edge_client.fetch import fetch_model
 
@@ -40,11 +53,14 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
     """``train``: a replacement for the local training (robustness experiments wrap it; devices never do)."""
-    from edge_client.data import load_local_data
+    from edge_client.data import load_local_data, split_holdout
+    from edge_client.factories import AllowedCode
     from edge_client.runtime import EdgeClient
     from edge_client.trainer import train_local
 
-    dataset = load_local_data(args.data)
+    dataset, holdout = load_local_data(args.data, args.label_column), None
+    if args.holdout:
+        dataset, holdout = split_holdout(dataset, args.holdout, args.holdout_seed, args.client_id)
     config = _link_config(
         args, chunk_size=args.chunk_size, keepalive=args.keepalive, max_packet_size=args.max_packet_size or None
     )
@@ -56,9 +72,12 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
         threads=args.threads,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         train=train or train_local,
+        holdout=holdout,
+        allowed=AllowedCode.of(args.model_path or (), args.model_package or ()),
     )
-    client.run(max_rounds=args.max_rounds)
-    return 0
+    signal.signal(signal.SIGTERM, _terminate)
+    client.run(max_rounds=args.max_rounds, once=args.once)
+    return ExitStatus.FINISHED
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -68,7 +87,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     def config() -> LinkConfig:  # called inside the broker item: an unreadable password file is a FAIL line
         return _link_config(args, session_expiry_s=0, connect_timeout_s=args.timeout)
 
-    return report(check_all(config, args.client_id, args.job, args.data), args.client_id, args.job)
+    return report(check_all(config, args.client_id, args.job, args.data, args.label_column), args.client_id, args.job)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -143,13 +162,39 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run",
         parents=[connection],
-        help="register with the server and train on its assignments until it says stop",
-        description="Register with the server, train on each assignment, report the update.",
+        help="register with the server and train on its assignments, run after run",
+        description="Register with the server, train on each assignment, report the update; when a run ends, wait "
+        "for the next one (--once: exit).",
+        epilog=describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument(
         "--data",
         required=True,
-        help="this device's data: an .npz with x and y, or a directory of MNIST-style idx files",
+        help="this device's data: an .npz with x and y, a .csv with a header (and --label-column), or a directory of "
+        "MNIST-style idx files",
+    )
+    run.add_argument("--label-column", help=LABEL_COLUMN_HELP)
+    run.add_argument(
+        "--holdout",
+        type=float,
+        default=0.0,
+        help="fraction of the data held out (never trained on) to evaluate the global model on when the server asks "
+        "([eval] mode clients or both), e.g. 0.1; default 0: none",
+    )
+    run.add_argument("--holdout-seed", type=int, default=0, help="seed of the held-out split (with the client id)")
+    run.add_argument(
+        "--model-path",
+        action="append",
+        metavar="DIR",
+        help='directory holding your model/task module ([model] factory = "module:callable"); the device imports '
+        "user code only from here or --model-package (repeatable)",
+    )
+    run.add_argument(
+        "--model-package",
+        action="append",
+        metavar="NAME",
+        help="an installed package the server's [model]/[task] factory may come from (repeatable)",
     )
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for training")
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="bytes per MQTT message chunk")
@@ -166,7 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory where algorithm state that must survive a restart is kept "
         "(SCAFFOLD's control variate, FedUmf's stored update)",
     )
-    run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: until the server stops)")
+    run.add_argument("--max-rounds", type=int, help="exit after this many updates (default: no limit)")
+    run.add_argument(
+        "--once",
+        action="store_true",
+        help="exit (status 0) when the run this device takes part in ends, instead of waiting for the next run",
+    )
     run.set_defaults(func=cmd_run)
 
     fetch = sub.add_parser(
@@ -189,17 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the device's metrics. Exit status 0: ready; 1: something to fix.",
     )
     check.add_argument("--data", help="this device's data file or directory to check (as edge-client run --data)")
+    check.add_argument("--label-column", help=LABEL_COLUMN_HELP)
     check.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the broker (default 10)")
     check.set_defaults(func=cmd_check)
 
     predict = sub.add_parser(
         "predict",
-        help="classify samples with an exported ONNX model (onnxruntime, no torch)",
+        help="predict with an exported ONNX model: class ids, binary labels or regression values (onnxruntime only)",
         description="Run the server's exported model (model.onnx) on this device.",
     )
     predict.add_argument("--model", required=True, help="model.onnx exported by the server (its .json sidecar beside)")
     predict.add_argument("--input", required=True, help=".npz holding the samples")
-    predict.add_argument("--key", default="x", help="array in the .npz to classify (default x)")
+    predict.add_argument("--key", default="x", help="array in the .npz to predict on (default x)")
     predict.add_argument("--batch-size", type=int, help="samples per onnxruntime call (default: all at once)")
     predict.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its default)")
     predict.add_argument("--proba", action="store_true", help="print class probabilities instead of class ids")
@@ -229,13 +280,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("edge-client")
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return 130
-    except (ConnectionError, FileNotFoundError, TimeoutError, ValueError) as exc:
-        logging.getLogger("edge-client").error("%s", exc)
-        return 2
+        return ExitStatus.INTERRUPTED
+    except Terminated:
+        log.info("stopped (SIGTERM)")
+        return ExitStatus.FINISHED
+    except (ConnectionError, TimeoutError) as exc:
+        from edge_client.transport import LoginRefused
+
+        log.error("%s", exc)
+        return ExitStatus.REFUSED if isinstance(exc, LoginRefused) else ExitStatus.UNAVAILABLE
+    except (FileNotFoundError, PermissionError, ValueError) as exc:
+        log.error("%s", exc)
+        return ExitStatus.CONFIG
+    except RuntimeError as exc:
+        from edge_client.runtime import Refused
+
+        if not isinstance(exc, Refused):
+            raise
+        log.error("%s", exc)
+        return ExitStatus.CONFIG
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""A device's own training data: in-memory arrays, loaders for npz / MNIST-style idx files, batch sampling.
+"""A device's own training data: in-memory arrays, loaders for npz / MNIST-style idx / CSV files, the held-out
+split a device evaluates on, batch sampling.
 
 Only numpy and the standard library: this runs on the device, and nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
+import csv
 import gzip
 import zlib
 from dataclasses import dataclass
@@ -12,17 +14,31 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ArrayDataset", "BatchSampler", "load_idx_pair", "load_local_data", "prepare_images", "read_idx"]
+__all__ = [
+    "ArrayDataset",
+    "BatchSampler",
+    "load_csv",
+    "load_idx_pair",
+    "load_local_data",
+    "prepare_images",
+    "read_idx",
+    "split_holdout",
+]
 
 ACCEPTED_FORMATS = (
-    "an .npz file with arrays x and y (or x_train and y_train), or a directory holding exactly one such .npz "
-    "or MNIST-style idx files (train-images-idx3-ubyte[.gz] + train-labels-idx1-ubyte[.gz])"
+    "an .npz file with arrays x and y (or x_train and y_train), a .csv file of numeric columns with a header "
+    "(and --label-column NAME), or a directory holding exactly one such .npz or MNIST-style idx files "
+    "(train-images-idx3-ubyte[.gz] + train-labels-idx1-ubyte[.gz])"
 )
 
 
 @dataclass
 class ArrayDataset:
-    """Features and integer labels held in memory; x is (N, C, H, W) for images or (N, F) for tabular data."""
+    """Features and targets held in memory; x is (N, C, H, W) for images or (N, F) for tabular data.
+
+    Integer-valued targets (class ids, 0/1 labels) are kept as int64, any others (regression) as float32; y is (N,)
+    or (N, K). Whether they fit the run's task is the task's to say (``edge_client.tasks``).
+    """
 
     x: np.ndarray
     y: np.ndarray
@@ -30,20 +46,79 @@ class ArrayDataset:
     def __post_init__(self) -> None:
         self.x = np.ascontiguousarray(self.x, dtype=np.float32)
         y = np.asarray(self.y)
-        if y.ndim != 1:
-            raise ValueError(f"labels y must be 1-D, got shape {y.shape}")
-        if y.size and not np.issubdtype(y.dtype, np.integer) and not np.all(np.mod(y, 1) == 0):
-            raise ValueError(f"labels y must be integers, got dtype {y.dtype}")
-        self.y = np.ascontiguousarray(y, dtype=np.int64)
+        if y.ndim not in (1, 2):
+            raise ValueError(f"targets y must be (N,) or (N, K), got shape {y.shape}")
+        if not (np.issubdtype(y.dtype, np.number) or y.dtype == np.bool_):
+            raise ValueError(f"targets y must be numbers, got dtype {y.dtype}")
+        if np.issubdtype(y.dtype, np.floating) and not np.isfinite(y).all():
+            raise ValueError("targets y contain NaN or infinite values")
+        integral = not np.issubdtype(y.dtype, np.floating) or bool(np.all(np.mod(y, 1) == 0))
+        self.y = np.ascontiguousarray(y, dtype=np.int64 if integral else np.float32)
         if self.x.ndim < 2:
             raise ValueError(f"x must be (N, F) or (N, C, H, W), got shape {self.x.shape}")
         if len(self.x) != len(self.y):
             raise ValueError(f"x and y must have the same length N (x {self.x.shape}, y {self.y.shape})")
-        if self.y.size and self.y.min() < 0:
-            raise ValueError(f"labels y must be >= 0, got min {self.y.min()}")
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
+        return ArrayDataset(self.x[idx], self.y[idx])
+
+
+def split_holdout(data: ArrayDataset, fraction: float, seed: int, client_id: str) -> tuple[ArrayDataset, ArrayDataset]:
+    """``(train, held out)``: a seeded share of the samples kept for federated evaluation, never trained on.
+
+    Seeded from (seed, crc32(client_id)) like the batch stream, so a device holds out the same samples on every start.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"--holdout must be a fraction in (0, 1), got {fraction}")
+    n_out = round(fraction * len(data))
+    if n_out < 1 or n_out >= len(data):
+        raise ValueError(f"--holdout {fraction} of {len(data)} samples leaves no validation or no training sample")
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(client_id.encode("utf-8"))])
+    perm = rng.permutation(len(data))
+    return data.subset(np.sort(perm[n_out:])), data.subset(np.sort(perm[:n_out]))
+
+
+def load_csv(path: str | Path, label_column: str) -> ArrayDataset:
+    """A CSV file with a header row: every column a number, ``label_column`` the target, the others the features.
+
+    Read with the standard library and numpy only; an error names the row (the file's line number) and the column.
+    """
+    path = Path(path)
+    with open(path, newline="") as fh:
+        rows = list(csv.reader(fh))
+    if not rows:
+        raise ValueError(f"{path}: empty file; expected a header row naming the columns")
+    header = [h.strip() for h in rows[0]]
+    if label_column not in header:
+        raise ValueError(f"{path}: no column {label_column!r} for --label-column; the columns are {', '.join(header)}")
+    body = [r for r in rows[1:] if r]
+    line_of = [i + 2 for i, r in enumerate(rows[1:]) if r]  # 1-based, after the header
+    if not body:
+        raise ValueError(f"{path}: a header but no data rows")
+    for line, row in zip(line_of, body, strict=True):
+        if len(row) != len(header):
+            raise ValueError(f"{path}: row {line} has {len(row)} cells, the header {len(header)}")
+    cells = np.array(body, dtype=str)
+    try:
+        values = cells.astype(np.float64)
+    except ValueError:
+        for (r, c), cell in np.ndenumerate(cells):
+            try:
+                float(cell)
+            except ValueError:
+                raise ValueError(
+                    f"{path}: row {line_of[r]}, column {header[c]!r}: {str(cell)!r} is not a number"
+                ) from None
+        raise
+    bad = ~np.isfinite(values)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise ValueError(f"{path}: row {line_of[r]}, column {header[c]!r}: {str(cells[r, c])!r} is not a finite number")
+    label = header.index(label_column)
+    return ArrayDataset(np.delete(values, label, axis=1).astype(np.float32), values[:, label])
 
 
 def prepare_images(x: np.ndarray) -> np.ndarray:
@@ -113,11 +188,17 @@ def _load_npz(path: Path) -> ArrayDataset:
     raise ValueError(f"{path}: npz has arrays [{keys}] but needs x and y (or x_train and y_train)")
 
 
-def load_local_data(path: str | Path) -> ArrayDataset:
-    """Load a device's own data from an npz file or a directory (one npz, or idx files); see ACCEPTED_FORMATS."""
+def load_local_data(path: str | Path, label_column: str | None = None) -> ArrayDataset:
+    """Load a device's own data from an npz or CSV file or a directory (one npz, or idx files); see ACCEPTED_FORMATS."""
     path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"data path {path} does not exist; expected {ACCEPTED_FORMATS}")
+    if path.suffix == ".csv":
+        if not label_column:
+            raise ValueError(f"{path}: a CSV file needs --label-column NAME (the column holding the target)")
+        return load_csv(path, label_column)
+    if label_column:
+        raise ValueError(f"--label-column applies to .csv files; {path} is not one")
     if path.is_file():
         if path.suffix != ".npz":
             raise ValueError(f"{path}: unsupported file type; expected {ACCEPTED_FORMATS}")

@@ -12,11 +12,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_client.models import loss_function, set_flat
+from edge_client.models import set_flat
+from edge_client.tasks import TASKS, LossFn, task_loss
 
 
 class FlatModel:
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, loss_fn: LossFn | None = None) -> None:
         self.module = module
         trainable = [p for p in module.parameters() if p.requires_grad]
         size = sum(p.numel() for p in trainable)
@@ -30,8 +31,8 @@ class FlatModel:
                 p.data = self.params[offset : offset + n].view_as(p)
                 p.grad = self.grad[offset : offset + n].view_as(p)
                 offset += n
-        #: the model's own loss when it defines one (e.g. a squared hinge), else cross-entropy
-        self.loss_fn = loss_function(module)
+        #: the task's loss (``edge_client.tasks.task_loss``); without one, classification's
+        self.loss_fn = loss_fn or task_loss(module, TASKS["classification"])
 
     @property
     def size(self) -> int:

@@ -6,7 +6,9 @@ flattening order (``model.parameters()``) is the single contract between client 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -14,8 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from edge_client.factories import FACTORY_KEY, SERVER, AllowedCode, build_with_factory
 
 __all__ = [
     "MLP",
@@ -25,10 +28,11 @@ __all__ = [
     "SquaredSVM",
     "TacoCNN",
     "build_model",
+    "fingerprint",
     "get_flat",
-    "loss_function",
+    "layout_difference",
     "num_params",
-    "predict_labels",
+    "parameter_layout",
     "set_flat",
 ]
 
@@ -120,11 +124,6 @@ class SquaredSVM(nn.Module):
         target = 1.0 - 2.0 * y.to(scores.dtype)
         return torch.clamp(1.0 - target * scores.reshape(-1), min=0.0).square().mean()
 
-    @staticmethod
-    def predict(scores: torch.Tensor) -> torch.Tensor:
-        """Label 1 where the score is negative, else 0 (the sign rule; ``Predictor.predict`` uses the same)."""
-        return (scores.reshape(-1) < 0).to(torch.int64)
-
 
 class CharLSTM(nn.Module):
     """LEAF's Shakespeare model: an 8-dim character embedding, a 2-layer LSTM with 256 units, and a linear layer on the
@@ -157,20 +156,6 @@ MODELS: dict[str, type[nn.Module]] = {
 }
 
 
-def loss_function(model: nn.Module) -> Any:
-    """The model's own ``loss(outputs, labels)`` when it defines one (the SVM's squared hinge), else cross-entropy.
-
-    Training (``FlatModel``) and evaluation (``server.evaluation.Evaluator``) both take the loss from here.
-    """
-    return getattr(model, "loss", None) or F.cross_entropy
-
-
-def predict_labels(model: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
-    """Predicted labels: the model's own ``predict(outputs)`` when it has one (the SVM's sign rule), else argmax."""
-    rule = getattr(model, "predict", None)
-    return rule(outputs) if rule is not None else outputs.argmax(1)
-
-
 #: Spec keys every model accepts: inputs become ``(x - input_mean) / input_std`` before the model sees them.
 STANDARDIZE_KEYS = ("input_mean", "input_std")
 
@@ -199,15 +184,41 @@ def _standardizer(name: str, mean: Any, std: Any) -> Any:
     return hook
 
 
-def build_model(spec: Mapping[str, Any]) -> nn.Module:
-    """Build a model from a config/wire spec ``{"name": ..., **kwargs}`` with errors that name the bad key."""
+#: Spec key of a user's model: one sample's input shape without the batch axis, for the ONNX export.
+INPUT_SHAPE_KEY = "input_shape"
+
+
+def build_model(spec: Mapping[str, Any], allowed: AllowedCode = SERVER) -> nn.Module:
+    """Build a model from a config/wire spec with errors that name the bad key: a built-in ``{"name": ..., **kwargs}``
+    or a user's ``{"factory": "package.module:callable", **kwargs}`` (imported only where ``allowed``)."""
     if not isinstance(spec, Mapping):
-        raise ValueError(f"model spec must be a mapping with a 'name' key, got {type(spec).__name__}")
+        raise ValueError(f"model spec must be a mapping with a 'name' or 'factory' key, got {type(spec).__name__}")
     kwargs = dict(spec)
     standardize = {k: kwargs.pop(k) for k in STANDARDIZE_KEYS if k in kwargs}
-    name = kwargs.pop("name", None)
+    if FACTORY_KEY in kwargs:
+        name = str(kwargs[FACTORY_KEY])
+        model = _user_model(kwargs, allowed)
+    else:
+        name = kwargs.pop("name", None)
+        model = _builtin_model(name, kwargs)
+    if standardize:
+        model.register_forward_pre_hook(
+            _standardizer(name, standardize.get("input_mean", 0.0), standardize.get("input_std", 1.0))
+        )
+    return model
+
+
+def _user_model(kwargs: dict[str, Any], allowed: AllowedCode) -> nn.Module:
+    kwargs.pop(INPUT_SHAPE_KEY, None)  # the export's, not the factory's
+    return build_with_factory("model", kwargs, allowed, nn.Module, "a torch.nn.Module")
+
+
+def _builtin_model(name: Any, kwargs: dict[str, Any]) -> nn.Module:
     if name not in MODELS:
-        raise ValueError(f"model 'name' = {name!r} is not known; valid names: {', '.join(sorted(MODELS))}")
+        raise ValueError(
+            f"model 'name' = {name!r} is not known; valid names: {', '.join(sorted(MODELS))} "
+            "(or 'factory' = \"package.module:callable\" for your own model)"
+        )
     cls = MODELS[name]
     params = {k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k != "self"}
     unknown = sorted(set(kwargs) - set(params))
@@ -225,12 +236,41 @@ def build_model(spec: Mapping[str, Any]) -> nn.Module:
         if not ok:
             want = "a list of positive integers" if key == "hidden" else "a positive integer"
             raise ValueError(f"model {name!r}: key {key!r} must be {want}, got {value!r}")
-    model = cls(**kwargs)
-    if standardize:
-        model.register_forward_pre_hook(
-            _standardizer(name, standardize.get("input_mean", 0.0), standardize.get("input_std", 1.0))
-        )
-    return model
+    return cls(**kwargs)
+
+
+def parameter_layout(model: nn.Module) -> list[list[Any]]:
+    """``[name, shape, dtype]`` of every trainable parameter in wire order: what a flat vector means."""
+    return [
+        [name, list(p.shape), str(p.dtype).removeprefix("torch.")]
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def fingerprint(layout: list[list[Any]]) -> str:
+    """sha256 of a parameter layout: equal on server and device exactly when their flat vectors mean the same."""
+    return hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
+
+
+def layout_difference(expected: list[list[Any]], got: Any) -> str:
+    """The first parameter where ``got`` (a device's layout, untrusted) differs from ``expected`` (the server's)."""
+    if not isinstance(got, list):
+        return "the device sent no parameter layout"
+    for i, want in enumerate(expected):
+        if i >= len(got):
+            return f"parameter {want[0]!r} {want[1]} {want[2]} is missing on the device (it has {len(got)} parameters)"
+        have = got[i]
+        if have != want:
+            return f"parameter #{i} is {_describe(have)} on the device, {want[0]!r} {want[1]} {want[2]} on the server"
+    if len(got) > len(expected):
+        return f"the device has {len(got) - len(expected)} more parameter(s), the first {_describe(got[len(expected)])}"
+    return "the layouts are equal but the fingerprints differ"
+
+
+def _describe(entry: Any) -> str:
+    ok = isinstance(entry, list) and len(entry) == 3
+    return f"{entry[0]!r} {entry[1]} {entry[2]}" if ok else repr(entry)[:80]
 
 
 def num_params(model: nn.Module) -> int:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.factories import FACTORY_KEY
+
 __all__ = [
     "INPUT_NAME",
     "OPSET",
@@ -50,8 +52,16 @@ _FLAT_MODELS = ("mlp", "svm")  # models that flatten their input themselves
 # ---------------------------------------------------------------------------------------------------- export
 def sample_shape_for(spec: Mapping[str, Any]) -> tuple[int, ...]:
     """The input shape of one sample (no batch axis) of a model spec: cnn / fedveca-cnn (C, H, W), mlp / svm (F,),
-    char-lstm (seq_len,)."""
+    char-lstm (seq_len,), a user's model (``factory``) its ``input_shape`` key."""
     name = spec.get("name") if isinstance(spec, Mapping) else None
+    if isinstance(spec, Mapping) and FACTORY_KEY in spec:
+        shape = spec.get("input_shape")
+        if not (isinstance(shape, list) and shape and all(isinstance(d, int) and d > 0 for d in shape)):
+            raise ValueError(
+                f"model.input_shape = {shape!r}: a factory model needs one sample's input shape without the batch "
+                "axis for the ONNX export, e.g. input_shape = [1, 64]"
+            )
+        return tuple(shape)
     if name in ("cnn", "fedveca-cnn"):
         return (int(spec.get("in_channels", 1)), int(spec.get("image_size", 28)), int(spec.get("image_size", 28)))
     if name in _FLAT_MODELS:
@@ -154,12 +164,14 @@ def export_onnx(
     sample_shape: tuple[int, ...] | None = None,
     round: int | None = None,
     model_factory: Any = None,
+    task: str = "classification",
 ) -> Path:
     """Build the model of ``model_spec``, load the flat ``weights``, write ``path`` and its JSON sidecar.
 
     Both files are written atomically (temporary file + ``os.replace``), the ONNX file first, so a reader that finds
     the sidecar finds the ONNX file it describes. ``model_factory`` (default ``build_model``) is for applications
-    that bring their own model. Returns ``path``.
+    that bring their own model; ``task`` (a task name, in the sidecar) tells ``Predictor.predict`` what the outputs
+    are. Returns ``path``.
     """
     import torch
 
@@ -200,6 +212,7 @@ def export_onnx(
         "exporter": exporter,
         "input": INPUT_NAME,
         "output": OUTPUT_NAME,
+        "task": task,
     }
     _write_atomic(sidecar_path(path), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
     return path
@@ -263,6 +276,7 @@ class Predictor:
         else:  # no sidecar: the fixed dimensions the graph declares
             self.input_shape = tuple(d if isinstance(d, int) else -1 for d in inp.shape[1:])
         self.num_classes: int | None = self.meta.get("num_classes")
+        self.task: str = self.meta.get("task", "classification")
 
     def __repr__(self) -> str:
         return f"Predictor({str(self.path)!r}, input_shape={self.input_shape}, threads={self.intra_op_num_threads})"
@@ -311,8 +325,12 @@ class Predictor:
         return np.asarray(parts[0] if len(parts) == 1 else np.concatenate(parts), dtype=np.float32)
 
     def predict_proba(self, x: np.ndarray, batch_size: int | None = None) -> np.ndarray:
-        """Class probabilities (softmax of the logits), (N, classes) float32."""
+        """Class probabilities (softmax of the logits), (N, classes) float32; a binary task's P(label 1), (N,)."""
+        if self.task == "regression":
+            raise ValueError(f"{self.path.name} is a regression model: it predicts values, not probabilities")
         logits = self.logits(x, batch_size)
+        if self.task == "binary":
+            return (1.0 / (1.0 + np.exp(-logits.reshape(len(logits), -1)[:, 0]))).astype(np.float32)
         if logits.shape[1] == 1:
             raise ValueError(
                 f"{self.path.name} has a single score output (e.g. the SVM), not class probabilities; use predict"
@@ -321,8 +339,13 @@ class Predictor:
 
     def predict(self, x: np.ndarray, batch_size: int | None = None) -> np.ndarray:
         """Class ids, (N,) int64: argmax, or for a single-output model (the SVM) the sign rule of
-        ``edge_client.models.SquaredSVM.predict`` (1 where the score is negative, else 0)."""
+        ``edge_client.tasks.predicted_labels`` (1 where the score is negative, else 0); a binary task's label (1 where
+        the logit is positive); a regression task's values ((N,) for one output, else (N, outputs) float32)."""
         logits = self.logits(x, batch_size)
+        if self.task == "regression":
+            return logits[:, 0] if logits.shape[1] == 1 else logits
+        if self.task == "binary":
+            return (logits.reshape(len(logits), -1)[:, 0] > 0).astype(np.int64)
         if logits.shape[1] == 1:
             return (logits[:, 0] < 0).astype(np.int64)
         return logits.argmax(axis=1).astype(np.int64)

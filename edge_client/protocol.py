@@ -31,6 +31,8 @@ _MSG_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{0,64}")
 _REASON_RE = re.compile(r"[a-z_]{1,32}")
+_FINGERPRINT_RE = re.compile(r"(|[0-9a-f]{64})")
+_ACK_REASON_RE = re.compile(r"[a-z_]{0,32}")  # empty when accepted
 
 
 class ProtocolError(ValueError):
@@ -82,6 +84,12 @@ class OutOfRound(ProtocolError):
 class DuplicateMessage(ProtocolError):
     reason = "duplicate"
 
+    def __init__(self, text: str, msg_id: str = "") -> None:
+        super().__init__(text)
+        #: the repeated message's id when the repeat stands for the whole message (a whole frame, or a chunked
+        #: message's first chunk): the server answers a repeat as it answered the first (server/delivery.py)
+        self.msg_id = msg_id
+
 
 class CompressedPayloadError(ProtocolError):
     """A compressed vector that does not decode; its ``reason`` is the codec's own (``codecs.REASONS``)."""
@@ -103,6 +111,10 @@ class Hello:
     client_id: str
     num_samples: int
     device: dict[str, Any] = field(default_factory=dict)
+    # The device's own model for the server's spec, {"digest": fingerprint, "layout": [[name, shape, dtype], ...]}
+    # (checked at registration), and the size of the split it holds out for federated evaluation.
+    model: dict[str, Any] = field(default_factory=dict)
+    eval_samples: int = 0
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "hello"
 
@@ -139,6 +151,7 @@ class Assignment:
     diff_base: str = ""
     model_sha256: str = ""
     codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
+    task: dict[str, Any] = field(default_factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
 
@@ -187,6 +200,10 @@ class Presence:
     online: bool
     role: str = "client"
     reason: str = ""
+    # The server's: the run's model spec and its fingerprint, so a device can say at registration what its model is.
+    model: dict[str, Any] = field(default_factory=dict)
+    fingerprint: str = ""
+    run_id: str = ""  # the server's: the run it serves (a device learns the current run from it)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "presence"
 
@@ -197,6 +214,42 @@ class Stop:
     run_id: str = ""
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "stop"
+
+
+# -- acknowledgements and resync (issue 12) -------------------------------------------------------------------------
+@dataclass
+class Ack:
+    """Server -> one client: what became of one message it sent (hello, update, failure, resync), by message id.
+
+    ``accepted`` False carries the refusal's reason code (the one counted in the metrics) and its text. A repeated
+    message is answered again with the same verdict and never processed twice, so a device re-sends an update until
+    it has an ack. Every ack names the server's run: how a device learns it without a retained presence.
+    """
+
+    of: str
+    accepted: bool
+    round: int = 0
+    reason: str = ""
+    detail: str = ""
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "ack"
+
+
+@dataclass
+class Resync:
+    """Client -> server: this device may have lost its assignment (its process started, or it connected without its
+    broker session); the server sends the round's assignment again if the device has one and has not answered it,
+    unless it went out after ``since`` (the hello that opened the device's current connection: what the server sent
+    after it reached the device anyway) or is ``run_id``'s round ``round`` (the newest the device served).
+    """
+
+    client_id: str
+    since: str = ""
+    round: int = 0
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "resync"
 
 
 @dataclass
@@ -226,7 +279,53 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
-Message = Hello | Assignment | Update | Failure | Presence | Stop | ModelFile
+@dataclass
+class Evaluate:
+    """Server -> one client: evaluate these weights (the global model after ``round``) on your held-out split."""
+
+    round: int
+    model_version: int
+    weights: np.ndarray
+    model: dict[str, Any] = field(default_factory=dict)
+    task: dict[str, Any] = field(default_factory=dict)
+    deadline_s: float = 0.0
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "evaluate"
+
+
+@dataclass
+class Evaluation:
+    """Client -> server: the task's loss and metrics on ``num_samples`` held-out samples, and the device's evaluation
+    time (wall ``eval_s`` and process CPU ``cpu_s``, device clocks), apart from training compute."""
+
+    round: int
+    client_id: str
+    num_samples: int
+    loss: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+    eval_s: float = 0.0
+    cpu_s: float = 0.0
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "evaluation"
+
+
+@dataclass
+class Refusal:
+    """Server -> one client: it is not registered (``reason`` a short code, ``detail`` why: e.g. which model parameter
+    differs from the server's). The device stops and says so."""
+
+    client_id: str
+    reason: str
+    detail: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "refusal"
+
+
+Message = (
+    Hello | Assignment | Update | Failure | Presence | Stop | ModelFile | Evaluate | Evaluation | Refusal | Ack | Resync
+)
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
@@ -310,7 +409,13 @@ _SHA_OR_EMPTY = _str(re.compile(r"(?:[0-9a-f]{64})?"))
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
 _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
-    "hello": {"client_id": ("client_id", _CID), "num_samples": ("num_samples", _NONNEG), "device": ("device", _dict)},
+    "hello": {
+        "client_id": ("client_id", _CID),
+        "num_samples": ("num_samples", _NONNEG),
+        "device": ("device", _dict),
+        "model": ("model", _dict),
+        "eval_samples": ("eval_samples", _NONNEG),
+    },
     "assignment": {
         "round": ("round", _NONNEG),
         "model_version": ("model_version", _NONNEG),
@@ -330,6 +435,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "codec": ("codec", _codec),
         "diff_base": ("diff_base", _SHA_OR_EMPTY),
         "model_sha256": ("model_sha256", _SHA_OR_EMPTY),
+        "task": ("task", _dict),
     },
     "update": {
         "round": ("round", _NONNEG),
@@ -356,9 +462,49 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "online": ("online", _bool),
         "role": ("role", _str(choices=("client", "server"))),
         "reason": ("reason", _TEXT),
+        "model": ("model", _dict),
+        "fingerprint": ("fingerprint", _str(_FINGERPRINT_RE)),
+        "run": ("run_id", _RUN),
     },
     "stop": {"reason": ("reason", _TEXT), "run": ("run_id", _RUN)},
+    "ack": {
+        "of": ("of", _str(_MSG_ID_RE)),
+        "accepted": ("accepted", _bool),
+        "round": ("round", _NONNEG),
+        "reason": ("reason", _str(_ACK_REASON_RE)),
+        "detail": ("detail", _text(2000)),
+        "run": ("run_id", _RUN),
+    },
+    "resync": {
+        "client_id": ("client_id", _CID),
+        "since": ("since", _str(_RUN_ID_RE)),  # a msg id, or empty when the device has not said hello
+        "round": ("round", _NONNEG),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
+    "evaluate": {
+        "round": ("round", _NONNEG),
+        "model_version": ("model_version", _NONNEG),
+        "model": ("model", _dict),
+        "task": ("task", _dict),
+        "deadline_s": ("deadline_s", _float(positive=True)),
+        "run": ("run_id", _RUN),
+    },
+    "evaluation": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "num_samples": ("num_samples", _NONNEG),
+        "loss": ("loss", _float(finite=False)),  # a diverged model's loss is reported as it is
+        "metrics": ("metrics", _dict),
+        "eval_s": ("eval_s", _float(0.0)),
+        "cpu_s": ("cpu_s", _float(0.0)),
+        "run": ("run_id", _RUN),
+    },
+    "refusal": {
+        "client_id": ("client_id", _CID),
+        "reason": ("reason", _str(_REASON_RE)),
+        "detail": ("detail", _text(2000)),
+    },
     "chunk": {
         "of": ("of", _str(_MSG_ID_RE)),
         "i": ("index", _INT),
@@ -368,9 +514,27 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "sha256": ("sha256", _str(_SHA256_RE)),
     },
 }
-_CLASSES: dict[str, type] = {c.TYPE: c for c in (Hello, Assignment, Update, Failure, Presence, Stop, ModelFile, Chunk)}
+_CLASSES: dict[str, type] = {
+    c.TYPE: c
+    for c in (
+        Hello,
+        Assignment,
+        Update,
+        Failure,
+        Presence,
+        Stop,
+        ModelFile,
+        Chunk,
+        Evaluate,
+        Evaluation,
+        Refusal,
+        Ack,
+        Resync,
+    )
+}
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
-_VECTOR = {"assignment": "weights", "update": "delta"}  # the required 1-D float32 vector of each type
+_VECTOR = {"assignment": "weights", "update": "delta", "evaluate": "weights"}  # the required 1-D float32 vector
+_EXTRA_ARRAYS = ("assignment", "update")  # types that also carry named "x:<name>" arrays (the contract's)
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
 }
@@ -455,7 +619,7 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
         blobs.append(("data", _U8, [data.nbytes], [data]))
     elif t in _VECTOR:
         named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
-        extra = msg.arrays  # type: ignore[union-attr]
+        extra = msg.arrays if t in _EXTRA_ARRAYS else {}  # type: ignore[union-attr]
         if not isinstance(extra, dict) or not all(isinstance(k, str) and k for k in extra):
             raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
         named += [(f"x:{k}", v, False) for k, v in extra.items()]
@@ -541,7 +705,7 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             raise MalformedMessage(f"{t}: array entry expected [name, dtype, shape], got {_short(entry)}")
         name, dtype, shape = entry
-        allowed = name == "data" if t in _BYTES else vector is not None and (name == vector or name[:2] == "x:")
+        allowed = name == "data" if t in _BYTES else name == vector or (t in _EXTRA_ARRAYS and name[:2] == "x:")
         if not allowed or name in seen or name == "x:":
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
@@ -615,7 +779,7 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
             extra[name[2:]] = arr
         else:
             kwargs[name] = arr
-    if t in _VECTOR:
+    if t in _EXTRA_ARRAYS:
         kwargs["arrays"] = extra
         kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
     return _CLASSES[t](**kwargs)

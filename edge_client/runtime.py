@@ -4,7 +4,7 @@
 
     client = EdgeClient("pi-kitchen", my_dataset, LinkConfig("mqtts://broker:8883", "pi-kitchen", password),
                         model_factory=lambda spec: MyNet())
-    client.run()
+    client.run()  # serves the job's runs until the process is stopped; run(once=True): until its run ends
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,9 +26,26 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.codecs import ModelMismatch
 from edge_client.compression import HeldModel, Uplink
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
-from edge_client.models import build_model
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.models import build_model, fingerprint, parameter_layout
+from edge_client.protocol import (
+    Ack,
+    Assignment,
+    Evaluate,
+    Evaluation,
+    Failure,
+    Hello,
+    Message,
+    Presence,
+    Refusal,
+    Resync,
+    Stop,
+    Update,
+    encode,
+)
+from edge_client.session import Session
+from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -36,6 +53,14 @@ from edge_client.transport import Link, LinkConfig, MqttLink
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[dict[str, Any]], nn.Module]
+#: How many parameters of its layout a device sends at registration (the digest covers all of them).
+LAYOUT_SENT = 500
+
+
+class Refused(RuntimeError):
+    """The server refused this device at registration; the message says why (e.g. which model parameter differs)."""
+
+
 #: Builds the client's link from its subscriptions and the hook to call on every (re)connect (in-process runs).
 LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 #: One round of local training (``trainer.train_local``; experiments wrap it to simulate dishonest clients).
@@ -60,26 +85,37 @@ class EdgeClient:
         link_config: LinkConfig | None,
         *,
         job: str = "default",
-        model_factory: ModelFactory = build_model,
+        model_factory: ModelFactory | None = None,
         threads: int = 1,
         state_dir: Path | None = None,
         link_factory: LinkFactory | None = None,
         train: TrainFn = train_local,
+        holdout: ArrayDataset | None = None,
+        allowed: AllowedCode = NOTHING,
     ) -> None:
+        """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
+        model or task factory the server names may be imported from (``edge_client.factories``)."""
         self.client_id = validate_client_id(client_id)
         self.dataset = dataset
+        self.holdout = holdout
+        self.allowed = allowed
         self.topics = Topics(job)
-        self.model_factory = model_factory
+        self.model_factory = model_factory or (lambda spec: build_model(spec, allowed))
         self.threads = threads
         self.state_dir = state_dir
         self.train = train
         self.rounds_done = 0
+        self.once = False  # run(once=True): leave after the first run that ends
+        self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
         # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
         # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
         # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
         self.served: tuple[str, int, str] = self._load_served()
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
+        self._server_model: dict[str, Any] | None = None  # the spec the server announced; hello needs it
+        self._tasks: dict[str, Task] = {}
+        self.refusal: str | None = None
         self._sampler: BatchSampler | None = None
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
@@ -90,7 +126,7 @@ class EdgeClient:
         subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
         self.link: Link
         if link_factory is not None:
-            self.link = link_factory(subscriptions, self._say_hello)
+            self.link = link_factory(subscriptions, self._connected)
         elif link_config is None:
             raise ValueError("EdgeClient needs a link_config (the broker to use) or a link_factory")
         else:
@@ -100,26 +136,79 @@ class EdgeClient:
                 f"edgefl-{job}-{self.client_id}",
                 subscriptions,
                 will=(self.topics.up(self.client_id), will, False),
-                on_connect=self._say_hello,
+                on_connect=self._connected,
             )
 
+    def _connected(self) -> None:
+        """Every (re)connect (on the link's thread): register, and let the main loop catch up (``_catch_up``). Before
+        the server announced its model there is no hello yet: the announcement's ``_say_hello`` registers."""
+        hello = self._hello()
+        self.session.connected(self.link.session_present, hello.msg_id if hello else "")
+        if hello is not None:
+            self.link.publish(self.topics.up(self.client_id), encode(hello))
+
+    def _hello(self) -> Hello | None:
+        """Registration, with this device's model for the spec the server announced (None before the announcement:
+        the server checks the model at registration)."""
+        if self._server_model is None:
+            return None
+        try:
+            layout = parameter_layout(self._model_for(self._server_model).module)
+            model: dict[str, Any] = {"digest": fingerprint(layout), "layout": layout[:LAYOUT_SENT]}
+        except Exception as exc:  # the server says so in its refusal, and its log names this device
+            log.error("cannot build the server's model %s: %s", self._server_model, exc)
+            model = {"error": str(exc)[:1000]}
+        return Hello(
+            client_id=self.client_id,
+            num_samples=len(self.dataset),
+            device=device.device_info(),
+            model=model,
+            eval_samples=len(self.holdout) if self.holdout is not None else 0,
+        )
+
     def _say_hello(self) -> None:
-        hello = Hello(client_id=self.client_id, num_samples=len(self.dataset), device=device.device_info())
+        hello = self._hello()
+        if hello is None:
+            return
+        self.session.sending(hello.msg_id, hello.TYPE)
+        if not self.session.since:  # the first hello of this connection (sent once the server announced its model)
+            self.session.since = hello.msg_id
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
-    def run(self, max_rounds: int | None = None) -> None:
-        """Serve assignments until the server says stop (or ``max_rounds`` updates were sent)."""
+    def _catch_up(self) -> None:
+        """Send again the report the server has not answered, and ask for the round's assignment, when due."""
+        payload = self.session.due()
+        if payload is not None:
+            self.link.publish(self.topics.up(self.client_id), payload)
+        if self.session.ask():
+            run, round_, _ = self.served
+            resync = Resync(self.client_id, self.session.since, round_, run)
+            self.session.sending(resync.msg_id, resync.TYPE)
+            self.link.publish(self.topics.up(self.client_id), encode(resync))
+
+    def _report(self, report: Update | Failure, payload: bytes | bytearray, deadline_s: float) -> int:
+        """Send an update or failure report (``payload``: it encoded); pending until the server answers it."""
+        self.session.sent(report, payload, deadline_s)
+        return self.link.publish(self.topics.up(self.client_id), payload)
+
+    def run(self, max_rounds: int | None = None, *, once: bool = False) -> None:
+        """Serve the job's runs: one after another until the process is stopped, or ``once``: until the run this
+        device takes part in ends (or ``max_rounds`` updates were sent)."""
         prepare_process(self.threads)
+        self.once = once
         self.link.start()
         log.info("%s connected with %d samples; waiting for assignments", self.client_id, len(self.dataset))
         try:
             while max_rounds is None or self.rounds_done < max_rounds:
+                self._catch_up()
                 received = self.link.receive(timeout=1.0)
                 if received is None:
                     continue
                 if not self.handle(received[1]):
                     break
             self.link.wait_published(timeout=30.0)
+            if self.refusal is not None:
+                raise Refused(self.refusal)
         finally:
             self.link.publish(
                 self.topics.up(self.client_id), encode(Presence(client_id=self.client_id, online=False, reason="done"))
@@ -128,20 +217,73 @@ class EdgeClient:
             self.link.stop()
 
     def handle(self, msg: Message) -> bool:
-        """Act on one message from the server; False once the server said stop."""
+        """Act on one message from the server; False once the run this device took part in ended and ``once``."""
+        waited: Assignment | None = None
         if isinstance(msg, Stop):
-            log.info("server says stop: %s", msg.reason)
+            if self.session.stop(msg):
+                log.info("left run %s; %s", msg.run_id, "exiting (--once)" if self.once else "waiting for the next run")
+                return not self.once
+        elif isinstance(msg, Refusal):
+            self.refusal = f"the server refused {self.client_id} ({msg.reason}): {msg.detail}"
+            log.error("%s", self.refusal)
             return False
-        if isinstance(msg, Presence) and msg.role == "server" and msg.online:
-            self._say_hello()  # the server (re)started: register again
-        elif isinstance(msg, Assignment):
+        elif isinstance(msg, Presence) and msg.role == "server":
+            if msg.online:
+                self._server_model = dict(msg.model)
+                self._say_hello()  # the server (re)started: register again
+            waited = self.session.server(msg)
+        elif isinstance(msg, Ack):
+            waited = self.session.acked(msg)
+        elif isinstance(msg, Assignment) and self.session.admit(msg):
             self._serve(msg)
+        elif isinstance(msg, Evaluate):
+            self._evaluate(msg)
+        if waited is not None and self.session.admit(waited):
+            self._serve(waited)
         return True
 
-    def _model_for(self, spec: dict[str, Any]) -> FlatModel:
+    def _model_for(self, spec: dict[str, Any], task: Task | None = None) -> FlatModel:
+        """The model of ``spec`` (built once per spec), training with ``task``'s loss when given."""
         if self._model is None or spec != self._model_spec:
             self._model, self._model_spec = FlatModel(self.model_factory(spec)), dict(spec)
+        if task is not None:
+            self._model.loss_fn = task_loss(self._model.module, task)
         return self._model
+
+    def _task_for(self, spec: Mapping[str, Any]) -> Task:
+        """The task of ``spec``, built once; this device's targets are checked against it then."""
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._tasks:
+            task = build_task(spec, self.allowed)
+            problem = task.check_targets(self.dataset.y) if task.check_targets else None
+            if problem:
+                raise ValueError(f"this device's data does not fit the {task.name} task: {problem}")
+            self._tasks[key] = task
+        return self._tasks[key]
+
+    def _evaluate(self, request: Evaluate) -> None:
+        """Evaluate the global model on the held-out split and report loss, metrics and the device's time."""
+        if self.holdout is None:
+            detail = ValueError("this device holds out no data; start it with --holdout 0.1")
+            self._fail(request.round, request.run_id, "no_holdout", detail, request.deadline_s)
+            return
+        try:
+            task = self._task_for(request.task)
+            model = self._model_for(request.model)
+            wall0, cpu0 = time.perf_counter(), time.process_time()
+            model.load(request.weights)
+            result = evaluate(model.module, task, self.holdout)
+            eval_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
+        except Exception as exc:  # a request this device cannot serve must not end the client
+            self._fail(request.round, request.run_id, "evaluate", exc, request.deadline_s)
+            return
+        loss = result.pop("loss", float("nan"))
+        report = Evaluation(
+            request.round, self.client_id, len(self.holdout), loss, result, eval_s, cpu_s, run_id=request.run_id
+        )
+        self.link.publish(self.topics.up(self.client_id), encode(report))
+        log.info("round %d: evaluated on %d held-out samples in %.3f s: loss %.4f %s",
+                 request.round, len(self.holdout), eval_s, loss, result)  # fmt: skip
 
     def _state_path(self, name: str) -> Path | None:
         """Per job and algorithm, so that state from one federation never leaks into another."""
@@ -165,11 +307,11 @@ class EdgeClient:
             tmp.write_text(json.dumps({"run": a.run_id, "round": a.round, "msg_id": a.msg_id}))
             os.replace(tmp, path)
 
-    def _fail(self, assignment: Assignment, reason: str, exc: BaseException) -> None:
+    def _fail(self, round_: int, run_id: str, reason: str, exc: BaseException, deadline_s: float) -> None:
         """Tell the server this round cannot be served (so it stops waiting) and keep serving the next ones."""
-        log.error("round %d: cannot serve the assignment (%s): %s", assignment.round, reason, exc)
-        failure = Failure(assignment.round, self.client_id, reason, str(exc)[:2000], run_id=assignment.run_id)
-        self.link.publish(self.topics.up(self.client_id), encode(failure))
+        log.error("round %d: cannot serve the server's request (%s): %s", round_, reason, exc)
+        failure = Failure(round_, self.client_id, reason, str(exc)[:2000], run_id=run_id)
+        self._report(failure, encode(failure), deadline_s)
 
     def _algorithm_for(self, name: str) -> ClientAlgorithm:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
@@ -203,7 +345,7 @@ class EdgeClient:
                         assignment.round, served)  # fmt: skip
             return
         try:
-            model = self._model_for(assignment.model)
+            model = self._model_for(assignment.model, self._task_for(assignment.task))
             algorithm = self._algorithm_for(assignment.algorithm)
             weights = self.held.resolve(assignment)  # the model, or the one held plus a difference (hash-checked)
             if weights is None or model.size != weights.size:
@@ -212,10 +354,10 @@ class EdgeClient:
                 )
             plan = plan_for(assignment, algorithm, model.size)
         except ModelMismatch as exc:  # the server sends the full model once it hears this
-            self._fail(assignment, "model_mismatch", exc)
+            self._fail(assignment.round, assignment.run_id, "model_mismatch", exc, assignment.deadline_s)
             return
-        except ValueError as exc:  # a round this device cannot serve must not end the client
-            self._fail(assignment, "assignment", exc)
+        except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
+            self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
@@ -227,7 +369,7 @@ class EdgeClient:
             result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
-            self._fail(assignment, "train_error", exc)
+            self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
             return
         after = device.snapshot()
         if not assignment.upload:
@@ -251,7 +393,7 @@ class EdgeClient:
         self._save_state(assignment.algorithm, algorithm)
         self._save_state("uplink", self.uplink)
         if encode_error is not None:
-            self._fail(assignment, "encode", encode_error)
+            self._fail(assignment.round, assignment.run_id, "encode", encode_error, assignment.deadline_s)
             return
         update = Update(
             round=assignment.round,
@@ -278,7 +420,7 @@ class EdgeClient:
         payload = encode(update)
         serialize_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sent = self.link.publish(self.topics.up(self.client_id), payload)
+        sent = self._report(update, payload, assignment.deadline_s)
         self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
         # Serialising and uploading happen after the update is built, so they travel with the next one.
         self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}

@@ -28,7 +28,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_client import chunking
-from edge_client.protocol import Message, MessageTooLarge, ProtocolError
+from edge_client.protocol import DuplicateMessage, Message, MessageTooLarge, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,16 @@ class LinkConfig:
         return parts.hostname, parts.port or (8883 if tls else 1883), tls
 
 
+class LoginRefused(ConnectionError):
+    """The broker refused this login (bad username or password, or not authorised): retrying cannot help."""
+
+
 class Link(Protocol):
     """What the server and the device runtime need from a connection: MQTT (``MqttLink``) or in-process."""
 
     rejections: Counter[str]
+    #: whether the broker kept this connection's session (its queued messages) at the latest (re)connect
+    session_present: bool
 
     def start(self) -> Link: ...
 
@@ -86,6 +92,8 @@ class Link(Protocol):
     def reject(self, topic: str, exc: ProtocolError) -> None: ...
 
     def limit_senders(self, budget: Callable[[str], int]) -> None: ...
+
+    def answer_repeats(self, answer: Callable[[str, str], None]) -> None: ...
 
 
 class QueueFull(ProtocolError):
@@ -114,12 +122,18 @@ class Inbox:
         self._queued_total = 0
         self._queue_lock = threading.Lock()
         self._budget: Callable[[str], int] | None = None
+        self._answer_repeat: Callable[[str, str], None] | None = None
         self._reassembler = chunking.Reassembler(max_message_bytes=max_message_bytes)
 
     def limit_senders(self, budget: Callable[[str], int]) -> None:
         """``budget(topic)``: the bytes of chunked messages that topic's sender may have in flight right now."""
         self._budget = budget
         self._reassembler.budget = budget
+
+    def answer_repeats(self, answer: Callable[[str, str], None]) -> None:
+        """``answer(topic, msg_id)`` for each message dropped as a repeat of one already delivered (once per message,
+        not per chunk): a sender repeats a message whose answer it did not get, and needs the answer again."""
+        self._answer_repeat = answer
 
     def _offer(self, topic: str, payload: bytes) -> None:
         """Queue a frame from the network (any thread), or drop it when its sender or the link is over its bound."""
@@ -161,6 +175,8 @@ class Inbox:
                 msg = self._reassembler.feed(topic, payload)
             except ProtocolError as exc:
                 self.reject(topic, exc)
+                if isinstance(exc, DuplicateMessage) and exc.msg_id and self._answer_repeat is not None:
+                    self._answer_repeat(topic, exc.msg_id)
                 continue
             if msg is not None:
                 return topic, msg
@@ -193,9 +209,11 @@ class MqttLink(Inbox):
         self.subscriptions = list(subscriptions)
         self.bytes_out = 0
         self.max_packet_size: int | None = None
+        self.session_present = False
         self._on_connect_hook = on_connect
         self._connected = threading.Event()
         self._connect_error: str | None = None
+        self._login_refused = False
         self._lock = threading.Condition()
         self._pending: set[int] = set()
         self._acked_early: set[int] = set()
@@ -233,7 +251,8 @@ class MqttLink(Inbox):
         while not self._connected.wait(0.05):
             if self._connect_error or time.monotonic() > deadline:
                 self.stop()
-                raise ConnectionError(
+                error = LoginRefused if self._login_refused else ConnectionError
+                raise error(
                     f"could not connect to {self.config.url} as {self.config.username!r}: "
                     + (self._connect_error or f"no answer within {self.config.connect_timeout_s:.0f} s")
                 )
@@ -251,7 +270,8 @@ class MqttLink(Inbox):
     def _handle_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             self._connect_error = f"broker refused the connection: {reason_code}"
-            if reason_code.value in (0x86, 0x87):  # bad user name or password / not authorized
+            self._login_refused = reason_code.value in (0x86, 0x87)  # bad user name or password / not authorized
+            if self._login_refused:
                 self._connect_error += " (check the username and password)"
             log.warning("%s", self._connect_error)
             return
@@ -261,6 +281,9 @@ class MqttLink(Inbox):
         advertised = getattr(properties, "MaximumPacketSize", None) if properties else None
         self.max_packet_size = min((n for n in (advertised, self.config.max_packet_size) if n), default=None)
         self._connect_error = None
+        self.session_present = bool(flags.session_present)
+        # Subscribe first, then the hook (the server's presence, a device's hello), then paho resends what was in
+        # flight: one connection, so the broker has the subscriptions before anyone can answer what we send.
         if self.subscriptions:  # ready once the broker confirmed the subscriptions (SUBACK)
             client.subscribe([(topic, 1) for topic in self.subscriptions])
         else:

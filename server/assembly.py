@@ -11,12 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from edge_client.data import ArrayDataset
+from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
-from server.config import RunConfig
+from server.config import ConfigError, RunConfig
 from server.evaluation import Evaluator
-from server.experiments.datasets import DatasetBundle, split_root
+from server.experiments.datasets import DatasetBundle, load_dataset, split_root
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
 from server.strategies import Strategy, make_strategy
+from server.target import Target, eval_mode, run_target
+
+#: ``data.dataset`` of a server that holds no data: the devices evaluate (``[eval] mode = "clients"``).
+NO_DATA = "none"
 
 
 def build_strategy(config: RunConfig) -> Strategy:
@@ -26,14 +31,41 @@ def build_strategy(config: RunConfig) -> Strategy:
                          rounds=config.run.rounds)  # fmt: skip
 
 
-def model_spec(config: RunConfig, bundle: DatasetBundle) -> dict[str, Any]:
+def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any]:
     """The configured model, or the data set's default; either way with the data set's input standardisation."""
+    if bundle is None:
+        if not config.model:
+            raise ConfigError(
+                f'data.dataset = "{NO_DATA}": the server has no data set to take a model from; configure [model] '
+                'name = ... or factory = "package.module:callable"'
+            )
+        return dict(config.model)
     return {**bundle.input_stats, **config.model} if config.model else bundle.model
 
 
-def split_clients(config: RunConfig, bundle: DatasetBundle) -> tuple[DatasetBundle, ArrayDataset | None]:
+def server_data(config: RunConfig) -> tuple[DatasetBundle | None, ArrayDataset | None]:
+    """The data set the server holds (None with ``data.dataset = "none"``) and the root data set of the algorithm."""
+    if config.data.dataset == NO_DATA:
+        return split_clients(config, None)
+    return split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+
+
+def run_target_of(config: RunConfig, bundle: DatasetBundle | None) -> Target:
+    """The run's target as the orchestrator of ``make_orchestrator(config, bundle)`` judges it."""
+    return run_target(config, build_task(config.task), eval_mode(config, bundle is not None))
+
+
+def split_clients(config: RunConfig, bundle: DatasetBundle | None) -> tuple[DatasetBundle | None, ArrayDataset | None]:
     """The bundle whose training set the clients share, and the root data set the algorithm needs (held by none)."""
-    size = build_strategy(config).root_size(len(bundle.train))
+    strategy = build_strategy(config)
+    if bundle is None:
+        if strategy.root_size(1):
+            raise ConfigError(
+                f'train.algorithm = "{strategy.name}" needs a root data set on the server, and data.dataset = '
+                f'"{NO_DATA}"; name a data set or choose another algorithm'
+            )
+        return None, None
+    size = strategy.root_size(len(bundle.train))
     if not size:
         return bundle, None
     root, train = split_root(bundle.train, size, config.run.seed)
@@ -42,7 +74,7 @@ def split_clients(config: RunConfig, bundle: DatasetBundle) -> tuple[DatasetBund
 
 def make_orchestrator(
     config: RunConfig,
-    bundle: DatasetBundle,
+    bundle: DatasetBundle | None,
     out_dir: Path,
     *,
     link_config: LinkConfig | None = None,
@@ -51,13 +83,15 @@ def make_orchestrator(
     observer: RoundObserver | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Orchestrator:
-    """The server for ``bundle``: the configured model, evaluated on the data set's test split."""
+    """The server for ``bundle``: the configured model, evaluated on the data set's test split (or, without a data
+    set, by the devices)."""
     spec = model_spec(config, bundle)
-    summary_extra = {"dataset": bundle.name, "partition": config.data.partition, "seed": config.run.seed}
+    summary_extra = {"dataset": bundle.name if bundle else NO_DATA, "partition": config.data.partition,
+                     "seed": config.run.seed}  # fmt: skip
     return Orchestrator(
         config,
         link_config,  # type: ignore[arg-type]  # unused when ``link`` is given
-        Evaluator(spec, bundle.test),
+        Evaluator(spec, bundle.test, build_task(config.task)) if bundle else None,
         spec,
         out_dir,
         observer=observer,

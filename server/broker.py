@@ -178,6 +178,14 @@ class Broker:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def died(self) -> str | None:
+        """Why mosquitto is gone though nobody stopped it (reaping the dead child), or None while it runs."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        code = self.process.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"mosquitto (pid {self.process.pid}) {how}; {self.log_path}:\n{self._log_tail()}"
+
     def config_text(self) -> str:
         """The mosquitto.conf contents (see RESEARCH.md section 1 for why each line is there)."""
         s = self.settings

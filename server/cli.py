@@ -22,13 +22,15 @@ if TYPE_CHECKING:
     from server.bridge import BridgeSettings
 
 log = logging.getLogger("edgefl.server")
+BROKER_DIED = 69  # EX_UNAVAILABLE: `edge-server broker` exits with it when its mosquitto dies
 
 DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
     "idx directory (docs/datasets.md)"
 )
 PARTITION_HELP = (
-    "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+    "iid, dirichlet:PHI (dirichlet:PHI:balanced adds NIID-Bench's balancing step), taco-groups, fedveca-case:N "
+    "(N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
 )
 DASHBOARD_HELP = (
     "serve a live dashboard of the run at HOST:PORT, e.g. 127.0.0.1:8050 (port 0: a free one); an address that is "
@@ -47,6 +49,9 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--batch-size": ("train__batch_size", int, "mini-batch size"),
     "--lr": ("train__lr", float, "local learning rate"),
     "--target-accuracy": ("run__target_accuracy", float, "test accuracy counted as reached (time-to-accuracy)"),
+    "--target": ("run__target", float, "value of run.target_metric counted as reached (time-to-target)"),
+    "--target-metric": ("run__target_metric", str, "metric of the time-to-target (default: the task's main one)"),
+    "--eval": ("eval__mode", str, "who evaluates: server (its test set), clients (the devices' held-out splits), both"),
     "--seed": ("run__seed", int, "seed for initialisation, partition and sampling"),
     "--out": ("run__out", str, "output directory for metrics.jsonl, summary.json, report.png"),
     "--fraction": ("clients__fraction", float, "fraction C of clients selected per round"),
@@ -82,12 +87,20 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
+    parser.add_argument(
+        "--model-path",
+        action="append",
+        metavar="DIR",
+        help='directory holding the module of [model]/[task] factory = "module:callable" (put on the import path)',
+    )
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
     """The validated configuration, the algorithm and its settings included, before anything is started."""
+    from edge_client.factories import AllowedCode
     from server.assembly import build_strategy
 
+    AllowedCode.of(args.model_path or ()).activate()
     flags = {k: v for k, v in vars(args).items() if "__" in k}
     config = override(load_config(args.config), **flags)
     build_strategy(config)  # checks what a contract alone cannot (e.g. FedVeca's tau_min_reset <= tau_max)
@@ -173,7 +186,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.assembly import split_clients
+    from server.assembly import run_target_of, split_clients
     from server.experiments.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
@@ -186,7 +199,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
-    with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
+    with (
+        serve_dashboard(args.dashboard, out_dir),
+        RoundProgress(config.run.rounds, run_target_of(config, bundle)) as progress,
+    ):
         if args.in_process:
             summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
         else:
@@ -201,21 +217,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.assembly import make_orchestrator, split_clients
-    from server.experiments.datasets import load_dataset
+    from server.assembly import make_orchestrator, run_target_of, server_data
     from server.progress import RoundProgress
 
     config = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
-    bundle, root = split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+    bundle, root = server_data(config)
+    target = run_target_of(config, bundle)
     with _broker_for(config, out_dir, config.broker.devices) as (link, broker):
         if broker is not None:
             print(
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds) as progress:
+        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds, target) as progress:
             summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
     _report(summary, out_dir, progress.console)
     return 0
@@ -317,7 +333,12 @@ def cmd_broker(args: argparse.Namespace) -> int:
             print(f"bridging these devices to {settings.bridge.url} as {settings.bridge.username}")
         print(f"credentials written to {workdir / 'credentials.json'}; Ctrl-C stops the broker", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            stop.wait()
+            while not stop.wait(1.0):  # supervise: a dead broker must not look like a running one
+                died = broker.died()
+                if died is not None:
+                    print(f"edge-server: error: {died}\nexiting so that a service manager (or you) can start it again",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    return BROKER_DIED
     return 0
 
 

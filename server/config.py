@@ -1,11 +1,14 @@
 """Run configuration: a TOML file, overridable by command-line flags, validated with errors that name the key.
 
 ```toml
-[run]        rounds, target_accuracy, stop_at_target, seed, out, job
+[run]        rounds, target_accuracy, target, target_metric, higher_is_better, stop_at_target, seed, out, job
 [clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
              deadline_floor_s, threads
-[data]       dataset, partition
-[model]      name plus the model's keyword arguments (default: the data set's model)
+[data]       dataset ("none": the server holds no data), partition
+[model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
+[task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
+[eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
+             deadline_s, holdout (simulated devices)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, codec, codec_policy,
              upload_budget_s, codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +38,10 @@ class ConfigError(ValueError):
 @dataclass
 class RunSection:
     rounds: int = 30
-    target_accuracy: float = 0.97
+    target_accuracy: float = 0.97  # classification's shorthand for target_metric = "accuracy", target = ...
+    target: float | None = None  # the value of target_metric counted as reached (time-to-target)
+    target_metric: str = ""  # default: the task's main metric (accuracy, rmse, auc)
+    higher_is_better: bool | None = None  # default: the metric's own direction
     stop_at_target: bool = False
     seed: int = 0
     out: str = "runs/latest"
@@ -66,6 +73,16 @@ class ClientsSection:
 class DataSection:
     dataset: str = "mnist"
     partition: str = "iid"
+
+
+@dataclass
+class EvalSection:
+    mode: str = ""  # server | clients | both; "": server when the server holds a test set, else clients
+    every: int = 1  # evaluate after every N-th round (and after the last)
+    devices: str = "all"  # clients mode: all online devices with a held-out split, or only the round's selected
+    deadline_s: float = 60.0  # the longest the server waits for the devices' evaluations
+    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout)
+    holdout: float = 0.0
 
 
 @dataclass
@@ -111,7 +128,9 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     model: dict[str, Any] = field(default_factory=dict)
+    task: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -164,6 +183,11 @@ class RunConfig:
                 self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
                 "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
             ),
+            ("eval.mode", self.eval.mode in ("", "server", "clients", "both"), '"server", "clients" or "both"'),
+            ("eval.every", self.eval.every >= 1, "an integer >= 1"),
+            ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
+            ("eval.deadline_s", self.eval.deadline_s > 0, "seconds > 0"),
+            ("eval.holdout", 0 <= self.eval.holdout < 1, "a fraction in [0, 1)"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",
@@ -200,6 +224,8 @@ SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:
     """Coerce ints to floats where a float is expected; refuse everything else that does not match."""
+    if isinstance(expected, types.UnionType):  # X | None: TOML has no null, so a value given is an X
+        expected = next(t for t in typing.get_args(expected) if t is not type(None))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected in (int, float, str, bool) and (type(value) is not expected):
@@ -226,8 +252,8 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(sorted(SECTIONS))}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of keys, got {values!r}")
-        if name == "model":
-            config.model = dict(values)
+        if name in ("model", "task"):
+            setattr(config, name, dict(values))
         elif name == "algorithm":
             for algo, params in values.items():
                 if not isinstance(params, dict):

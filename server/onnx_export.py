@@ -36,9 +36,13 @@ class BackgroundExporter:
     """
 
     def __init__(
-        self, model_spec: Mapping[str, Any], path: Path, on_done: Callable[[Path, int], None] | None = None
+        self,
+        model_spec: Mapping[str, Any],
+        path: Path,
+        on_done: Callable[[Path, int], None] | None = None,
+        task: str = "classification",
     ) -> None:
-        self.model_spec, self.path, self.on_done = dict(model_spec), path, on_done
+        self.model_spec, self.path, self.on_done, self.task = dict(model_spec), path, on_done, task
         self._pending: tuple[np.ndarray, int] | None = None
         self._closed = False
         self._cond = threading.Condition()
@@ -59,7 +63,7 @@ class BackgroundExporter:
                     return
                 (weights, round_), self._pending = self._pending, None
             try:
-                export_onnx(self.model_spec, weights, self.path, round=round_)
+                export_onnx(self.model_spec, weights, self.path, round=round_, task=self.task)
                 if self.on_done:
                     self.on_done(self.path, round_)
             except Exception:  # an export failure must never stop training
@@ -82,9 +86,11 @@ def export_onnx(
     *,
     sample_shape: tuple[int, ...] | None = None,
     round: int | None = None,
+    task: str = "classification",
 ) -> Path:
     """Build ``model_spec``, load the flat ``weights``, write ``path`` and ``<path>.json``; returns ``path``.
 
-    ``sample_shape`` is one sample's input shape without the batch axis (default: :func:`sample_shape_for`).
+    ``sample_shape`` is one sample's input shape without the batch axis (default: :func:`sample_shape_for`); ``task``
+    the run's task name, for ``Predictor.predict``.
     """
-    return _export_onnx(model_spec, weights, path, sample_shape=sample_shape, round=round)
+    return _export_onnx(model_spec, weights, path, sample_shape=sample_shape, round=round, task=task)

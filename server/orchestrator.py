@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, get_flat, num_params
+from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
+    Evaluate,
+    Evaluation,
     Failure,
     Hello,
     InvalidField,
@@ -39,23 +42,29 @@ from edge_client.protocol import (
     ModelFile,
     Presence,
     ProtocolError,
+    Refusal,
+    Resync,
     Stop,
     Update,
     encode,
 )
+from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
 from server.codec_policy import CodecPolicy
 from server.config import RunConfig
+from server.delivery import Delivery
 from server.downlink import MISMATCH, Downlink
 from server.evaluation import Evaluator
+from server.federated_eval import EvalRound, FederatedEvaluation
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import assignment_summary
+from server.target import eval_mode, run_target
 
 log = logging.getLogger("edgefl.server")
 
@@ -82,6 +91,13 @@ class ClientRecord:
     num_samples: int
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
+    eval_samples: int = 0  # the held-out split it evaluates on
+
+
+class ModelMismatch(InvalidField):
+    """A device whose model's parameter layout is not the server's: refused at registration."""
+
+    reason = "model"
 
 
 class Orchestrator:
@@ -89,7 +105,7 @@ class Orchestrator:
         self,
         config: RunConfig,
         link_config: LinkConfig,
-        evaluator: Evaluator,
+        evaluator: Evaluator | None,
         model_spec: dict[str, Any],
         out_dir: Path,
         *,
@@ -115,7 +131,14 @@ class Orchestrator:
         self.current: RoundState | None = None
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
-        self.num_params = num_params(build_model(model_spec))
+        self.layout = parameter_layout(build_model(model_spec))
+        self.fingerprint = fingerprint(self.layout)
+        self.num_params = sum(math.prod(shape) for _, shape, _ in self.layout)
+        # What the model is for and who measures it (evaluator None: the server holds no test set).
+        self.task = build_task(config.task)
+        self.eval_mode = eval_mode(config, evaluator is not None)
+        self.target = run_target(config, self.task, self.eval_mode)
+        self.federated = FederatedEvaluation(self.task, config.eval, config.run.rounds)
         self.admission = Admission(
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
@@ -134,6 +157,8 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
+        self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
+        self.link.answer_repeats(self.delivery.repeated)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -145,15 +170,18 @@ class Orchestrator:
             "partition": self.config.data.partition,
             "job": run.job,
             "rounds": run.rounds,
-            "target": run.target_accuracy,
+            "target": self.target.value,
         }
 
     # -- messages ----------------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        """Online, retained: on every (re)connect, so the last will's retained 'offline' never outlives a reconnect."""
-        self.link.publish(
-            self.topics.server, encode(Presence(client_id="server", online=True, role="server")), retain=True
+        """Online, retained, with the run id and the model: on every (re)connect, so the last will's retained 'offline'
+        never outlives a reconnect and devices learn the current run (and send again what this server may have lost)
+        and the model to say at registration they hold."""
+        online = Presence(
+            "server", True, "server", model=self.model_spec, fingerprint=self.fingerprint, run_id=self.run_id
         )
+        self.link.publish(self.topics.server, encode(online), retain=True)
 
     def _sender_budget(self, topic: str) -> int:
         """Bytes of chunked messages ``topic``'s sender may have in flight: one update of this round, if it owes one."""
@@ -166,6 +194,9 @@ class Orchestrator:
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
         self.live.heard(sender)
+        if sender is not None and self.delivery.repeat(sender, msg.msg_id):
+            return  # answered again, never processed twice
+        error: ProtocolError | None = None
         try:
             if sender is None:
                 raise InvalidField(f"message on unexpected topic {topic!r}")
@@ -177,11 +208,19 @@ class Orchestrator:
                 self._accept(topic, sender, msg)
             elif isinstance(msg, Failure):
                 self._failed(sender, msg)
+            elif isinstance(msg, Evaluation):
+                record = self.clients.get(sender)
+                self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
+            elif isinstance(msg, Resync):
+                self._resync(sender, msg)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
             self.link.reject(topic, exc)
             self.live.rejected(sender, exc.reason)
+            error = exc
+        if sender is not None:
+            self.delivery.answer(sender, msg, self.run_id, self.current, error)
 
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
@@ -191,9 +230,10 @@ class Orchestrator:
                 f"{sender} registers with {hello.num_samples} samples, more than clients.max_samples "
                 f"({self.config.clients.max_samples}); not registered"
             )
+        self._check_model(sender, hello)
         known = self.clients.get(sender)
         self.downlink.forget(sender)  # a device says hello when it (re)starts: it holds no model
-        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, online=True)
+        self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
         if known is None or not known.online:
@@ -203,6 +243,24 @@ class Orchestrator:
                 hello.num_samples,
                 {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count")},
             )
+
+    def _check_model(self, sender: str, hello: Hello) -> None:
+        """Refuse a device whose model is not the server's, and tell it which parameter differs."""
+        stated = hello.model
+        if not stated:  # a device that does not state its model: its updates are still checked for their size
+            log.warning("client %s registers without stating its model; only its update sizes are checked", sender)
+            return
+        if stated.get("digest") == self.fingerprint:
+            return
+        if "error" in stated:
+            detail = f"the device cannot build the model {self.model_spec}: {str(stated['error'])[:1000]}"
+        else:
+            detail = f"its model differs from the server's: {layout_difference(self.layout, stated.get('layout'))}"
+        refusal = Refusal(sender, "model", detail[:2000])
+        self.link.publish(self.topics.down(sender), encode(refusal))
+        self.clients.pop(sender, None)
+        self.client_samples.pop(sender, None)
+        raise ModelMismatch(f"{sender} refused at registration: {detail}")
 
     def _presence(self, sender: str, presence: Presence) -> None:
         if presence.client_id != sender:
@@ -243,6 +301,9 @@ class Orchestrator:
         if failure.reason == MISMATCH:
             self.downlink.forget(sender)
         state = self.current
+        if self.federated.failed(sender, failure.round, failure.reason):
+            log.warning("round %d: %s cannot evaluate (%s: %s)", failure.round, sender, failure.reason, failure.detail)
+            return
         if state is None or failure.round != state.round or sender not in state.selected:
             log.warning("%s could not serve round %d (%s: %s)", sender, failure.round, failure.reason, failure.detail)
             return
@@ -252,6 +313,11 @@ class Orchestrator:
                 "round %d: %s cannot serve its assignment (%s: %s); not waiting for it",
                 state.round, sender, failure.reason, failure.detail,
             )  # fmt: skip
+
+    def _resync(self, sender: str, resync: Resync) -> None:
+        if resync.client_id != sender:
+            raise InvalidField(f"resync on the topic of {sender!r} claims client id {resync.client_id!r}")
+        self.delivery.resend(sender, resync, self.run_id, self.current)
 
     def _pump(self, timeout: float) -> None:
         received = self.link.receive(timeout)
@@ -313,8 +379,10 @@ class Orchestrator:
                 codec=str(state.codecs[cid]),
                 diff_base=base,
                 model_sha256=sha256,
+                task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
+            self.delivery.assigned(round_, cid, a)
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
             told[cid] = {
                 **assignment_summary(a),
@@ -344,12 +412,16 @@ class Orchestrator:
         torch.manual_seed(self.config.run.seed)
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
-            ServerContext(self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed)
+            ServerContext(
+                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+            )
         )
         weights, metrics = self._resume(weights)
         self.link.start()
         self._announce()  # an injected link (in-process) has no connect hook of ours
-        exporter = BackgroundExporter(self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model)
+        exporter = BackgroundExporter(
+            self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model, task=self.task.name
+        )
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
@@ -358,11 +430,13 @@ class Orchestrator:
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        export_onnx(self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows))
+        export_onnx(
+            self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
+        )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         summary = summarize(
             metrics.rows,
-            self.config.run.target_accuracy,
+            self.target,
             algorithm=self.strategy.name,
             run_id=self.run_id,
             num_params=int(self.num_params),
@@ -374,11 +448,11 @@ class Orchestrator:
             per_client=client_summary(metrics.rows),
         )
         last = metrics.rows[-1] if metrics.rows else {}
-        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith("accuracy_")})
+        summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
         write_summary(self.out_dir / "summary.json", summary)
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
-            plot_report(metrics.rows, self.config.run.target_accuracy, self.out_dir / "report.png", title)
+            plot_report(metrics.rows, self.target, self.out_dir / "report.png", title)
         return summary
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, MetricsLog]:
@@ -424,7 +498,9 @@ class Orchestrator:
     def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
         start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
         version = self.version
-        best = max((r["accuracy"] for r in metrics.rows), default=-1.0)
+        best: float | None = None
+        for r in metrics.rows:
+            best = self.target.of(r) if self.target.better(self.target.of(r), best) else best
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
@@ -444,17 +520,23 @@ class Orchestrator:
                 weights, dropped = self._aggregate(round_, weights, updates)
                 version += dropped is None
             t_eval = time.monotonic()
-            accuracy, loss = self.evaluator(weights)
-            outputs = {name: self.evaluator(w) for name, w in self.strategy.outputs(weights).items()}
+            due = self.federated.due(round_)
+            evaluator = self.evaluator if due and self.eval_mode != "clients" else None
+            tested = evaluator(weights) if evaluator else {}
+            outputs = {name: evaluator(w) for name, w in self.strategy.outputs(weights).items()} if evaluator else {}
+            t_clients = time.monotonic()
+            client_eval = self._evaluate_on_devices(round_, version, weights, state.selected) if (
+                due and self.eval_mode != "server"
+            ) else None  # fmt: skip
             done = time.monotonic()
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
                 "aggregate_s": t_eval - t_agg,
-                "eval_s": done - t_eval,
-                "accuracy": accuracy,
-                "loss": loss,
+                "eval_s": t_clients - t_eval,
+                "client_eval_wait_s": done - t_clients,  # server clock: request, device evaluation, reports
+                **tested,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
@@ -469,22 +551,41 @@ class Orchestrator:
             }
             if dropped:
                 row["dropped"] = dropped
-            for name, (acc, lss) in outputs.items():
-                row[f"accuracy_{name}"], row[f"loss_{name}"] = acc, lss
+            if client_eval is not None:
+                row["client_eval"] = client_eval
+            for name, result in outputs.items():
+                row.update({f"{metric}_{name}": value for metric, value in result.items()})
             rejected_before = Counter(self.link.rejections)
             metrics.append(row)
             self.checkpoint.save(weights, round_, version, self.strategy, self.run_id)
             self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
-            if accuracy > best:  # model.onnx is always the best global model so far
-                best = accuracy
+            value = self.target.of(row)
+            if self.target.better(value, best):  # model.onnx is always the best global model so far
+                best = value
                 exporter.submit(weights, round_)
             self.observer.round_done(row)
-            if self.config.run.stop_at_target and accuracy >= self.config.run.target_accuracy:
-                log.info("target accuracy %.4f reached in round %d; stopping", self.config.run.target_accuracy, round_)
+            if self.config.run.stop_at_target and self.target.reached(value):
+                log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, round_)
                 break
         self.checkpoint.mark_finished()
         self.unreported_rejections = self.link.rejections - rejected_before
         return weights
+
+    def _evaluate_on_devices(
+        self, round_: int, version: int, weights: np.ndarray, selected: set[str]
+    ) -> dict[str, Any] | None:
+        """Ask the devices to evaluate ``weights`` on their held-out splits; their combined report (None if none)."""
+        holdout = {c: rec.eval_samples for c, rec in self.clients.items()}
+        asked = self.federated.devices(self.available(), selected, holdout)
+        request = Evaluate(
+            round_, version, weights, self.model_spec, self.config.task, self.config.eval.deadline_s, self.run_id
+        )
+        frame = encode(request)
+        for cid in asked:
+            self.link.publish(self.topics.down(cid), frame)
+        state = EvalRound(round_, set(asked))
+        self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
+        return self.federated.result(state)
 
     @staticmethod
     def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
@@ -512,11 +613,8 @@ class Orchestrator:
     def _shutdown(self) -> None:
         try:
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
-            self.link.publish(
-                self.topics.server,
-                encode(Presence(client_id="server", online=False, role="server", reason="stopped")),
-                retain=True,
-            )
+            offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
+            self.link.publish(self.topics.server, encode(offline), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:
             self.link.stop()

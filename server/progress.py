@@ -9,14 +9,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from server.target import Target
+
 
 class RoundProgress:
     """Rich progress bar over rounds; each finished round is printed above it as one line."""
 
-    def __init__(self, rounds: int, console: Console | None = None) -> None:
+    def __init__(self, rounds: int, target: Target, console: Console | None = None) -> None:
         # Redirected output (a log file, CI) gets a width that fits the per-round line and the tables.
         self.console = console or Console(stderr=True, width=None if sys.stderr.isatty() else 140)
         self.rounds = rounds
+        self.target = target
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -41,13 +44,29 @@ class RoundProgress:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
         rejected = f"  rejected {sum(row['rejected'].values())}" if row["rejected"] else ""
         self.console.print(
-            f"round {row['round']:>3}/{self.rounds}  acc {row['accuracy']:.4f}  loss {row['loss']:.4f}  "
+            f"round {row['round']:>3}/{self.rounds}  {self._measured(row)}  "
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
             f"slowest compute {row['slowest_compute_s']:.2f}s  elapsed {row['elapsed_s']:.1f}s{missing}{rejected}",
             highlight=False,
             soft_wrap=True,
         )
-        self.progress.update(self.task, advance=1, description=f"training (acc {row['accuracy']:.4f})")
+        value = self.target.of(row)
+        shown = f" ({self.target.metric} {value:.4f})" if value is not None else ""
+        self.progress.update(self.task, advance=1, description=f"training{shown}")
+
+    def _measured(self, row: dict[str, Any]) -> str:
+        """The target's metric and the loss, from whoever evaluated (the devices: how many and how long)."""
+        value, loss = self.target.of(row), self.target.of(row, "loss")
+        if value is None:
+            return f"{self.target.metric} -  (not evaluated this round)"
+        text = f"{self.target.metric} {value:.4f}" + (f"  loss {loss:.4f}" if loss is not None else "")
+        if self.target.source == "clients":
+            e = row["client_eval"]
+            text += (
+                f" on {len(e['devices'])} devices ({e['num_samples']} held out, slowest eval "
+                f"{e['slowest_eval_s']:.2f}s device clock)"
+            )
+        return text
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
@@ -63,13 +82,15 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="edgefl run summary", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
+    metric = summary.get("target_metric", "accuracy")
     rows = [
         ("algorithm", summary.get("algorithm")),
-        ("final accuracy", fmt(summary.get("final_accuracy"))),
-        ("best accuracy", fmt(summary.get("best_accuracy"))),
+        (f"final {metric}", fmt(summary.get(f"final_{metric}"))),
+        (f"best {metric}", fmt(summary.get(f"best_{metric}"))),
+        ("evaluated by", summary.get("evaluated_by")),
         ("rounds", fmt(summary.get("rounds"))),
         ("wall clock", fmt(summary.get("wall_clock_s"), " s")),
-        ("target accuracy", fmt(summary.get("target_accuracy"))),
+        (f"target {metric}", "none set" if summary.get("target") is None else fmt(summary["target"])),
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
@@ -83,15 +104,18 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 
 def clients_table(per_client: dict[str, dict[str, Any]]) -> Table:
-    """What each device spent: the per_client part of summary.json."""
+    """What each device spent: the per_client part of summary.json (its evaluations when any device evaluated)."""
     table = Table(title="per client")
-    for col in ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled"):
+    evaluated = any(s.get("evaluations") for s in per_client.values())
+    columns = ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled")
+    for col in (*columns, *(("evals", "eval s") if evaluated else ())):
         table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
     for cid, s in sorted(per_client.items()):
-        temp = s["max_temperature_c"]
+        temp, eval_s = s["max_temperature_c"], s.get("mean_eval_s")
         table.add_row(
             cid, str(s["rounds"]), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
             f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
             "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
+            *((str(s["evaluations"]), "-" if eval_s is None else f"{eval_s:.3f}") if evaluated else ()),
         )  # fmt: skip
     return table

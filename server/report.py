@@ -10,6 +10,8 @@ from typing import Any
 
 import matplotlib
 
+from server.target import Target
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
@@ -41,28 +43,38 @@ def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
     return up, down
 
 
-def summarize(rows: list[dict[str, Any]], target_accuracy: float, **extra: Any) -> dict[str, Any]:
-    """Round-, time- and bytes-to-accuracy figures.
+def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[str, Any]:
+    """Round-, time- and bytes-to-target figures on the target's metric (``final_<metric>``, ``best_<metric>``); for
+    classification's accuracy also ``target_accuracy``.
 
     ``client_compute_to_target_s`` sums, over the rounds up to the first that reached the target, the compute time of
-    that round's slowest client: TACO's time-to-accuracy metric (network time excluded). ``bytes_to_target`` sums
-    every byte moved (up and down) in those rounds; ``codec_mix`` counts the assignments per upload codec.
+    that round's slowest client: TACO's time-to-accuracy metric (network time excluded). ``client_eval_total_s`` sums
+    each evaluation's slowest device evaluation (device clocks), apart from training compute. ``bytes_to_target`` sums
+    every byte moved (up and down) in the rounds up to the target; ``codec_mix`` counts the assignments per codec.
     """
-    reached = next((r for r in rows if r["accuracy"] >= target_accuracy), None)
+    m = target.metric
+    evaluated = [r for r in rows if target.of(r) is not None]
+    reached = next((r for r in evaluated if target.reached(target.of(r))), None)
     compute_to = bytes_to = None
     traffic = [round_bytes(r) for r in rows]
     if reached is not None:
         compute_to = sum(r["slowest_compute_s"] for r in rows if r["round"] <= reached["round"])
         bytes_to = sum(up + down for r, (up, down) in zip(rows, traffic, strict=True) if r["round"] <= reached["round"])
     codec_mix = Counter(i["codec"] for r in rows for i in r.get("instructions", {}).values() if "codec" in i)
-    last = rows[-1] if rows else {}
+    last, last_eval = (rows[-1] if rows else {}), (evaluated[-1] if evaluated else {})
+    best = None
+    for r in evaluated:
+        best = target.of(r) if target.better(target.of(r), best) else best
+    accuracy = {"target_accuracy": target.value} if m == "accuracy" else {}
     return {
-        "final_accuracy": last.get("accuracy"),
-        "final_loss": last.get("loss"),
-        "best_accuracy": max((r["accuracy"] for r in rows), default=None),
+        f"final_{m}": target.of(last_eval) if last_eval else None,
+        "final_loss": target.of(last_eval, "loss") if last_eval else None,
+        f"best_{m}": best,
+        **({"final_client_eval": _without_devices(last_eval["client_eval"])} if "client_eval" in last_eval else {}),
         "rounds": len(rows),
         "wall_clock_s": last.get("elapsed_s"),
-        "target_accuracy": target_accuracy,
+        **target.describe(),
+        **accuracy,
         "rounds_to_target": reached["round"] if reached else None,
         "time_to_target_s": reached["elapsed_s"] if reached else None,
         "client_compute_to_target_s": compute_to,
@@ -71,19 +83,23 @@ def summarize(rows: list[dict[str, Any]], target_accuracy: float, **extra: Any) 
         "bytes_down": sum(down for _, down in traffic),
         "bytes_to_target": bytes_to,
         "codec_mix": dict(sorted(codec_mix.items())),
+        "client_eval_total_s": sum(r["client_eval"]["slowest_eval_s"] for r in rows if "client_eval" in r),
         **extra,
     }
 
 
+def _without_devices(client_eval: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in client_eval.items() if k != "devices"}
+
+
 def client_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per client over the run: rounds reported, mean compute and CPU seconds, traffic, and what the device reported
-    (peak resident memory, hottest temperature, lowest CPU frequency, Raspberry Pi throttling flags)."""
+    """Per client over the run: rounds reported, mean compute and CPU seconds, traffic, what the device reported
+    (peak resident memory, hottest temperature, lowest CPU frequency, Raspberry Pi throttling flags), and its
+    evaluations of the global model with their mean time (device clock, apart from training compute)."""
     out: dict[str, dict[str, Any]] = {}
     for row in rows:
         for cid, c in row["clients"].items():
-            s = out.setdefault(cid, {"rounds": 0, "compute_s": 0.0, "cpu_s": 0.0, "bytes_up": 0, "bytes_down": 0,
-                                     "peak_rss_mb": None, "max_temperature_c": None, "min_cpu_freq_mhz": None,
-                                     "throttled_flags": []})  # fmt: skip
+            s = out.setdefault(cid, _blank())
             s["rounds"] += 1
             for key in ("compute_s", "cpu_s", "bytes_up", "bytes_down"):
                 s[key] += c.get(key, 0)
@@ -98,23 +114,38 @@ def client_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                     values.append(s[key])
                 s[key] = pick(values) if values else None
             s["throttled_flags"] = sorted({*s["throttled_flags"], *(dev.get("throttled_flags") or [])})
+        for cid, e in row.get("client_eval", {}).get("devices", {}).items():
+            s = out.setdefault(cid, _blank())
+            s["evaluations"] += 1
+            s["eval_s"] += e["eval_s"]
     for s in out.values():
-        s["mean_compute_s"] = s.pop("compute_s") / s["rounds"]
-        s["mean_cpu_s"] = s.pop("cpu_s") / s["rounds"]
+        s["mean_compute_s"] = s.pop("compute_s") / max(1, s["rounds"])
+        s["mean_cpu_s"] = s.pop("cpu_s") / max(1, s["rounds"])
+        eval_s = s.pop("eval_s")
+        s["mean_eval_s"] = eval_s / s["evaluations"] if s["evaluations"] else None  # device clock
     return out
+
+
+def _blank() -> dict[str, Any]:
+    return {"rounds": 0, "compute_s": 0.0, "cpu_s": 0.0, "bytes_up": 0, "bytes_down": 0, "peak_rss_mb": None,
+            "max_temperature_c": None, "min_cpu_freq_mhz": None, "throttled_flags": [], "evaluations": 0,
+            "eval_s": 0.0}  # fmt: skip
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, title: str) -> None:
-    """Accuracy against rounds, wall-clock time and megabytes moved (up and down), with the target drawn in."""
-    rounds = [r["round"] for r in rows]
-    acc = [r["accuracy"] for r in rows]
-    elapsed = [r["elapsed_s"] for r in rows]
-    moved = [b / 1e6 for b in accumulate(sum(round_bytes(r)) for r in rows)]
-    reached = next((i for i, a in enumerate(acc) if a >= target_accuracy), None)
+def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: str) -> None:
+    """The target's metric against rounds, wall-clock time (server clock) and megabytes moved (up and down, as sent),
+    with the target drawn in."""
+    evaluated = [r for r in rows if target.of(r) is not None]
+    rounds = [r["round"] for r in evaluated]
+    acc = [target.of(r) for r in evaluated]
+    elapsed = [r["elapsed_s"] for r in evaluated]
+    moved_by_round = dict(zip([r["round"] for r in rows], accumulate(sum(round_bytes(r)) for r in rows), strict=True))
+    moved = [moved_by_round[r["round"]] / 1e6 for r in evaluated]
+    reached = next((i for i, a in enumerate(acc) if target.reached(a)), None)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
     panels = (
         (axes[0], rounds, "round", "{:.0f}"),
@@ -123,7 +154,8 @@ def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, 
     )
     for ax, xs, label, fmt in panels:
         ax.plot(xs, acc, marker="o", markersize=3)
-        ax.axhline(target_accuracy, color="grey", linestyle="--", linewidth=1, label=f"target {target_accuracy:.2f}")
+        if target.value is not None:
+            ax.axhline(target.value, color="grey", linestyle="--", linewidth=1, label=f"target {target.value:g}")
         if reached is not None:
             ax.axvline(
                 xs[reached],
@@ -134,9 +166,10 @@ def plot_report(rows: list[dict[str, Any]], target_accuracy: float, path: Path, 
             )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        if target.value is not None:  # else nothing is labelled
+            ax.legend(loc="best")
     axes[0].xaxis.get_major_locator().set_params(integer=True)
-    axes[0].set_ylabel("test accuracy")
+    axes[0].set_ylabel(f"{target.metric} ({'test set' if target.source == 'server' else 'devices, held out'})")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

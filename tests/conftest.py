@@ -35,8 +35,16 @@ from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, TrainSection, from_dict
-from server.experiments.datasets import load_dataset
-from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, start_clients, stop_clients
+from server.experiments.datasets import DatasetBundle, load_dataset
+from server.experiments.inprocess import run_inprocess
+from server.experiments.simulate import (
+    ClientLogin,
+    client_ids,
+    prepare_shards,
+    run_processes,
+    start_clients,
+    stop_clients,
+)
 from server.orchestrator import Orchestrator
 from server.strategies import Strategy
 
@@ -220,6 +228,20 @@ def make_config(
 ClientBroker = Callable[[str], tuple[str, str]]
 
 
+def run_simulated(
+    mode: str, config: RunConfig, bundle: DatasetBundle, broker: Broker
+) -> tuple[dict[str, Any], list[str], list[Path]]:
+    """Run ``config`` as ``edge-server simulate`` does, with client processes on ``broker`` (mode "broker") or on the
+    in-process bus ("inprocess"); the summary, the client ids and their shards."""
+    ids, out = client_ids(config.clients.count), Path(config.run.out)
+    shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out / "shards")
+    if mode == "broker":
+        logins = {c: ClientLogin(c, (broker.devices.get(c) or broker.add_device(c)).password) for c in ids}
+        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+        return run_processes(config, shards, link, logins, bundle, out), ids, shards
+    return run_inprocess(config, shards, bundle, out), ids, shards
+
+
 def start_federation(
     tmp_path: Path,
     link: LinkConfig,
@@ -228,12 +250,14 @@ def start_federation(
     clients: int = 3,
     rounds: int = 3,
     dataset: str = "digits",
+    once: bool = True,
     **settings: Any,
 ) -> tuple[Orchestrator, dict[str, subprocess.Popen]]:
     """Start client processes client-00.. (each on the broker ``client_broker`` names) and build the server on ``link``.
 
     ``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section; ``dataset``: a
-    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote.
+    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the clients exit when the run
+    ends (else they wait for the next run, as devices do).
     """
     config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
     config.broker.max_packet_size = link.max_packet_size or 0
@@ -245,7 +269,7 @@ def start_federation(
     for cid in client_ids(clients):  # each device logs in as itself: the ACL allows nothing else
         urls[cid], password = client_broker(cid)
         logins[cid] = ClientLogin(cid, password)
-    procs = start_clients(config, urls, logins, shards, out)
+    procs = start_clients(config, urls, logins, shards, out, once=once)
     return make_orchestrator(config, bundle, out, link_config=link, root=root), procs
 
 

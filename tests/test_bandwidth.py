@@ -25,6 +25,7 @@ from server.experiments.simulate import client_ids, prepare_shards
 from server.report import summarize
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedveca import FedVeca
+from server.target import Target
 
 LADDER = ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"]
 D = 44_426
@@ -216,11 +217,11 @@ def test_summary_counts_the_bytes_moved_until_the_target_and_the_codec_mix() -> 
         }  # fmt: skip
 
     rows = [row(1, 0.5, "int8"), row(2, 0.95, "int8"), row(3, 0.99, "topk:0.01")]
-    s = summarize(rows, 0.9)
+    s = summarize(rows, Target.accuracy(0.9))
     assert s["bytes_up"] == 100 + 200 + 300 + 3 * 10 and s["bytes_down"] == 9000
     assert s["bytes_to_target"] == (100 + 10 + 3000) + (200 + 10 + 3000)  # rounds 1 and 2, up and down
     assert s["codec_mix"] == {"fp32": 3, "int8": 4, "topk:0.01": 2}
-    assert summarize(rows, 0.999)["bytes_to_target"] is None
+    assert summarize(rows, Target.accuracy(0.999))["bytes_to_target"] is None
 
 
 # ------------------------------------------------------------------------------------------- whole runs in-process

@@ -12,10 +12,27 @@ from typing import Any
 import pytest
 
 from server.config import ConfigError
+from server.experiments.runner import round_alphas
 from server.experiments.suites import load_suite, parse_suite, shipped
-from server.experiments.tables import accuracy_table, compute_table, freeloader_table, time_table
+from server.experiments.tables import (
+    accuracy_table,
+    alpha_rounds_csv,
+    alpha_table,
+    compute_table,
+    freeloader_table,
+    plot_alphas,
+    time_table,
+)
 
-PAPER_SUITES = ["taco-fmnist", "taco-adult", "fedumf-mnist", "drag-mnist", "fedveca-mnist"]
+PAPER_SUITES = [
+    "taco-fmnist",
+    "taco-adult",
+    "taco-freeloaders",
+    "taco-ablation",
+    "fedumf-mnist",
+    "drag-mnist",
+    "fedveca-mnist",
+]
 
 
 def _record(algorithm: str, seed: int, acc: float, reached: int | None, *, column: str = "iid", **summary: Any) -> dict:
@@ -77,12 +94,69 @@ def test_freeloader_table_counts_true_and_false_positives() -> None:
     assert freeloader_table([_record("taco", 0, 0.7, 5)]) is None  # no freeloaders: no table
 
 
+def _alpha_record(alphas: dict[int, dict[str, float]], **summary: Any) -> dict:
+    """A 3-round TACO run on taco-groups (6 clients: groups A, B, C, A, B, C) with the given alphas per round."""
+    record = _record("taco", 0, 0.7, 1, column="taco-groups", **{"clients": 6, **summary})
+    record.update(partition="taco-groups", variant="default", path="default/taco-groups/taco/seed-0")
+    record["curve"] = record["curve"][:3]
+    for point in record["curve"]:
+        point["alpha"] = alphas.get(point["round"], {})
+    return record
+
+
+def test_alpha_table_is_table_ii_per_group_from_round_2(tmp_path: Path) -> None:
+    alphas = {
+        1: {"client-00": 0.9, "client-05": 0.0},  # round 1 is left out of the table
+        2: {"client-00": 0.2, "client-03": 0.4, "client-01": 0.3, "client-02": 0.5, "client-05": 0.8},
+        3: {"client-00": 0.1, "client-03": 0.1, "client-01": 0.3, "client-02": 0.5},  # client-05 expelled
+    }
+    record = _alpha_record(alphas, freeloaders=["client-05"], excluded=["client-05"])
+    header, rows = alpha_table([record, _record("fedavg", 0, 0.7, 1, column="taco-groups")])
+    assert header == ["Method"] + [f"taco-groups alpha {g}" for g in ("Group A", "Group B", "Group C", "Freeloaders")]
+    # group A: round means 0.3 and 0.1 -> 0.20±0.10; B 0.3, 0.3; C 0.5, 0.5; freeloaders 0.8 in round 2 only
+    assert rows == [["taco", "0.20±0.10", "0.30±0.00", "0.50±0.00", "0.80±0.00"]]
+    assert alpha_table([_record("fedavg", 0, 0.7, 1)]) is None  # no alphas: no table
+    alpha_rounds_csv([record], tmp_path / "a.csv")
+    lines = list(csv.reader((tmp_path / "a.csv").open()))
+    assert lines[0] == ["column", "row", "round", "Group A", "Group B", "Group C", "Honest", "Freeloaders"]
+    assert lines[1] == ["taco-groups", "taco", "1", "0.9000", "", "", "", "0.0000"]
+    assert lines[3] == ["taco-groups", "taco", "3", "0.1000", "0.3000", "0.5000", "", ""]
+    plot_alphas(record, tmp_path / "alpha.png")
+    assert (tmp_path / "alpha.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_records_keep_per_client_alphas_only() -> None:
+    row = {"clients": {"c0": {}, "c1": {}}, "algorithm": {"alpha": {"c0": 0.3, "c1": 0.5, "gone": 0.9}}}
+    assert round_alphas(row) == {"alpha": {"c0": 0.3, "c1": 0.5}}  # the reporters' alphas, not an expelled client's
+    assert round_alphas({"clients": {"c0": {}}, "algorithm": {"alpha": 0.2}}) == {}  # STEM's scalar alpha_t
+    assert round_alphas({"clients": {"c0": {}}, "algorithm": {}}) == {}
+
+
+def test_an_ablation_has_its_variants_as_rows() -> None:
+    records = []
+    for variant, acc in (("corr", 0.8), ("none", 0.6)):
+        for column in ("dir:0.1", "dir:0.5"):
+            r = _record("taco", 0, acc, 5, column=f"{variant} · {column}")
+            r.update(variant=variant, partition=column)
+            records.append(r)
+    header, rows = accuracy_table(records, 0.7)
+    assert header == [
+        "Variant",
+        "dir:0.1 Acc(%) 50R",
+        "dir:0.1 Rounds (70%)",
+        "dir:0.5 Acc(%) 50R",
+        "dir:0.5 Rounds (70%)",
+    ]
+    assert rows == [["corr", "80.00±0.00", "5", "80.00±0.00", "5"], ["none", "60.00±0.00", "x", "60.00±0.00", "x"]]
+
+
 def test_every_shipped_suite_is_valid_and_the_paper_suites_ship() -> None:
     assert {*PAPER_SUITES, "smoke"} <= set(shipped())
     for name in shipped():
         suite = load_suite(name)
         runs = suite.runs()
-        assert len(runs) == len(suite.variants) * len(suite.partitions) * len(suite.seeds) * len(suite.algorithms)
+        per_variant = [len(v.algorithms or suite.algorithms) for v in suite.variants]
+        assert len(runs) == sum(per_variant) * len(suite.partitions) * len(suite.seeds)
         assert suite.description
         if name in PAPER_SUITES:
             assert suite.paper and suite.scaled  # the paper's numbers and what was scaled down are stated
@@ -122,6 +196,12 @@ def test_variants_override_the_base_configuration() -> None:
     ]
     assert all(r.config.clients.count == 20 and r.config.data.partition == "shards:2" for r in runs)
     assert runs[0].column == "C=0.1 · shards:2"
+    data["bench"]["variants"][1]["algorithms"] = ["fedumf"]  # a variant may run only some of the algorithms
+    runs = parse_suite("x", data, "x.toml").runs()
+    assert [(r.variant, r.algorithm) for r in runs] == [("C=0.1", "fedavg"), ("C=0.1", "fedumf"), ("C=0.5", "fedumf")]
+    data["bench"]["variants"][1]["algorithms"] = ["drag"]
+    with pytest.raises(ConfigError, match=r"bench\.variants\[1\]\.algorithms.*drag"):
+        parse_suite("x", data, "x.toml")
 
 
 @pytest.mark.integration
@@ -157,6 +237,12 @@ def test_smoke_suite_end_to_end_and_resumed(tmp_path: Path) -> None:
             assert "client-09" in (run / "label_histograms.txt").read_text()
     report = (out / "report.md").read_text()
     assert "TACO Table V" in report and "accuracy-iid.png" in report
+    rows = list(csv.reader((out / "alpha.csv").open()))  # Table II: TACO's alphas by group, freeloaders apart
+    assert [r[0] for r in rows[1:]] == ["taco"] and "taco-groups alpha Freeloaders" in rows[0]
+    for record in records:  # alpha per client over rounds, for the runs that compute alphas
+        png = out / "runs" / record["path"] / "alpha.png"
+        assert png.exists() == (record["algorithm"] == "taco")
+        assert all(("alpha" in p) == (record["algorithm"] == "taco") for p in record["curve"])
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr[-3000:]

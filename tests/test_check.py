@@ -118,3 +118,11 @@ def test_a_probe_dying_of_sigill_is_a_fail_line(tmp_path: Path) -> None:
     item = check.check_import("torch", python=str(dies))
     assert item.ok is False
     assert "died with SIGILL" in item.detail and "torch>=2.5,<2.10" in item.detail
+
+
+def test_csv_data_is_checked_with_its_label_column(tmp_path: Path) -> None:
+    csv = tmp_path / "readings.csv"
+    csv.write_text("a,b,target\n1,2,0\n3,4,1\n5,6,1\n")
+    assert check.check_data(str(csv), "target").detail.endswith("3 samples, 2 classes, samples of 2")
+    missing = check.check_data(str(csv))  # the runtime would refuse it without --label-column: so does the check
+    assert missing.ok is False and "--label-column" in missing.detail

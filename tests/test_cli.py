@@ -15,11 +15,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
+from edge_client.exits import ExitStatus
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
+from server.cli import BROKER_DIED
 from server.cli import main as server_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +81,16 @@ def test_simulate_help_lists_its_flags() -> None:
 
 def test_client_run_help_lists_its_flags() -> None:
     out = run([*CLIENT, "run", "--help"]).stdout
-    for flag in ("--broker", "--client-id", "--data", "--username", "--password-file", "--job", "--max-rounds"):
+    for flag in (
+        "--broker",
+        "--client-id",
+        "--data",
+        "--username",
+        "--password-file",
+        "--job",
+        "--max-rounds",
+        "--once",
+    ):
         assert flag in out
 
 
@@ -194,6 +206,28 @@ def test_broker_command_prints_credentials_and_stops_on_sigterm(broker: Broker, 
                 proc.wait()
 
 
+def test_broker_command_exits_nonzero_when_its_mosquitto_dies(broker: Broker, tmp_path: Path) -> None:
+    """A killed mosquitto is reaped and said, and the command exits with BROKER_DIED so that systemd restarts it."""
+    proc = subprocess.Popen(
+        [*SERVER, "broker", "--dir", str(tmp_path / "brk"), "--devices", "pi-1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        LineReader(proc).until(r"credentials written to", time.monotonic() + TIMEOUT)
+        (mosquitto,) = psutil.Process(proc.pid).children()
+        mosquitto.kill()
+        assert proc.wait(timeout=TIMEOUT) == BROKER_DIED
+        assert proc.stderr is not None
+        assert re.search(rf"mosquitto \(pid {mosquitto.pid}\) was killed by signal 9", proc.stderr.read())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -211,7 +245,7 @@ def test_broker_site_and_bridge_flags_are_checked_before_anything_starts(
     assert not (tmp_path / "b").exists()
 
 
-def test_client_with_wrong_password_exits_2_naming_the_login(broker: Broker, tmp_path: Path) -> None:
+def test_client_with_wrong_password_exits_refused_naming_the_login(broker: Broker, tmp_path: Path) -> None:
     data = tmp_path / "shard.npz"
     rng = np.random.default_rng(0)
     np.savez(data, x=rng.normal(size=(16, 8)).astype(np.float32), y=rng.integers(0, 3, size=16))
@@ -232,6 +266,6 @@ def test_client_with_wrong_password_exits_2_naming_the_login(broker: Broker, tmp
         ],
         env={"EDGEFL_PASSWORD": "not-" + broker.devices["c5"].password},
     )
-    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.returncode == ExitStatus.REFUSED, result.stderr[-2000:]  # the unit does not restart on it
     assert "'c5'" in result.stderr
     assert re.search(r"username and password", result.stderr), result.stderr[-2000:]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge_client.data import ArrayDataset, load_local_data
-from edge_client.protocol import Assignment, Failure
+from edge_client.protocol import Assignment, Failure, Presence
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import train_local
@@ -85,19 +85,23 @@ def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -
         bus = LocalBus()
         return EdgeClient("c0", data, None, state_dir=tmp_path, link_factory=bus.connect, train=counting)
 
-    first = device()
+    def told(client: EdgeClient, run_id: str) -> EdgeClient:  # the server's presence: the current run
+        client.handle(Presence("server", True, role="server", run_id=run_id))
+        return client
+
+    first = told(device(), "run-a")
     size = first._model_for(SPEC).size
     third = assignment("run-a", 3, size)
     first.handle(third)
     assert trained == [3] and first.served == ("run-a", 3, third.msg_id)
-    again = device()  # the process restarted: the state directory says round 3 of run-a was served
+    again = told(device(), "run-a")  # the process restarted: the state directory says round 3 of run-a was served
     assert again.served == ("run-a", 3, third.msg_id)
     again.handle(third)  # replayed from the broker session: stale
     again.handle(assignment("run-a", 2, size))
     assert trained == [3]
     again.handle(assignment("run-a", 3, size))  # a new assignment for round 3: the server resumed and re-runs it
     again.handle(assignment("run-a", 4, size))
-    again.handle(assignment("run-b", 1, size))  # a new run starts again at round 1
+    told(again, "run-b").handle(assignment("run-b", 1, size))  # a new run starts again at round 1
     assert trained == [3, 3, 4, 1] and again.served[:2] == ("run-b", 1)
 
 

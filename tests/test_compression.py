@@ -15,7 +15,7 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, num_params
-from edge_client.protocol import Assignment, Failure, Hello, Message, Update, encode
+from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Resync, Update, encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import Plan, TrainResult
@@ -53,15 +53,26 @@ class Device:
             CID, data, None, job=JOB, state_dir=state_dir, link_factory=self.bus.connect, train=train
         )
         self.bus.add_client(self.client)
-        assert isinstance(self.receive(), Hello)
+        self.run = ""  # a device says hello once the server has announced itself (serve does, with the run)
 
     def receive(self) -> Message:
         got = self.server.receive(0)
         assert got is not None
         return got[1]
 
+    def announce(self, run_id: str) -> None:
+        """The server's presence naming ``run_id``: a device serves assignments of the run it was told is current."""
+        online = Presence(client_id="server", online=True, role="server", model=dict(SPEC), run_id=run_id)
+        self.server.publish(TOPICS.server, encode(online), retain=True)
+        assert self.bus.run_next_client()
+        while (got := self.server.receive(0)) is not None:  # its hello, or a resync
+            assert isinstance(got[1], Hello | Resync), got[1]
+        self.run = run_id
+
     def serve(self, a: Assignment) -> Message:
         """Send ``a``, let the device handle it, return what it answered (its update or failure)."""
+        if a.run_id != self.run:
+            self.announce(a.run_id)
         self.server.publish(TOPICS.down(CID), encode(a))
         assert self.bus.run_next_client()
         return self.receive()

@@ -148,6 +148,8 @@ def test_devices_must_be_a_list_of_strings() -> None:
         ("train", "momentum", 1.0, "[0, 1)"),  # FedUmf's optimiser is every algorithm's now
         ("broker", "chunk_size", 100, ">= 1024"),
         ("broker", "max_packet_size", 100, ">= 4096"),
+        ("eval", "holdout", 1.0, "[0, 1)"),
+        ("eval", "every", 0, ">= 1"),
     ],
 )
 def test_out_of_range_names_key_range_and_value(section: str, key: str, value: object, expected: str) -> None:

@@ -24,10 +24,12 @@ def test_array_dataset_converts_and_validates():
     assert ds.x.dtype == np.float32 and ds.y.dtype == np.int64 and len(ds) == 3
     with pytest.raises(ValueError, match="same length"):
         ArrayDataset(np.zeros((3, 2)), np.zeros(2))
-    with pytest.raises(ValueError, match=">= 0"):
-        ArrayDataset(np.zeros((2, 2)), np.array([0, -1]))
-    with pytest.raises(ValueError, match="integers"):
-        ArrayDataset(np.zeros((2, 2)), np.array([0.5, 1.0]))
+    regression = ArrayDataset(np.zeros((2, 2)), np.array([0.5, -1.0]))  # any number: the task judges targets
+    assert regression.y.dtype == np.float32
+    with pytest.raises(ValueError, match="numbers"):
+        ArrayDataset(np.zeros((2, 2)), np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="NaN"):
+        ArrayDataset(np.zeros((2, 2)), np.array([0.5, np.nan]))
 
 
 def test_prepare_images():

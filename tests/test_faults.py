@@ -28,7 +28,7 @@ from fakes import FakeDevice
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Update, encode
+from edge_client.protocol import Assignment, Presence, Update, encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
@@ -402,6 +402,7 @@ def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.Lo
     weights = get_flat(build_model(SPEC))
 
     def served(round_: int, run_id: str = "run-1") -> list[int]:
+        client.handle(Presence("server", True, role="server", run_id=run_id))  # the server says which run is current
         client.handle(
             Assignment(local_steps=2, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
                        deadline_s=10.0, algorithm="fedavg", model=SPEC, run_id=run_id)

@@ -309,6 +309,11 @@ def test_unit_contents(staged: dict[str, object]) -> None:
     directives = {line.split("=", 1)[0] for line in text.splitlines() if "=" in line and not line.startswith("#")}
     assert "PrivateDevices" not in directives, "PrivateDevices hides /dev/vcio (vcgencmd)"
     assert "MemoryMax" not in directives, "MemoryMax is not enforced on Raspberry Pi OS"
+    # systemd restarts every failure but those a restart cannot fix (edge_client/exits.py says which)
+    from edge_client.exits import NO_RESTART
+
+    prevent = re.search(r"^RestartPreventExitStatus=(.*)$", service_section, re.M)
+    assert prevent is not None and sorted(map(int, prevent.group(1).split())) == sorted(NO_RESTART)
 
 
 def _systemd_tree(root: Path) -> None:

@@ -6,14 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_config
+from conftest import make_config, run_simulated
 
 from edge_client.protocol import Presence, encode
-from edge_client.transport import LinkConfig
 from server.broker import Broker
 from server.experiments.datasets import load_dataset
-from server.experiments.inprocess import LocalBus, LocalLink, run_inprocess
-from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
+from server.experiments.inprocess import LocalBus, LocalLink
 
 
 def _accuracies(out: Path) -> list[float]:
@@ -25,20 +23,12 @@ def _accuracies(out: Path) -> list[float]:
 def test_inprocess_equals_broker_mode_after_three_rounds(broker: Broker, tmp_path: Path, algorithm: str) -> None:
     """SCAFFOLD carries client state between rounds, FedVeca adapts every client's tau: both must agree exactly."""
     bundle = load_dataset("digits", seed=0)
-    ids = client_ids(3)
     results = {}
     for mode in ("broker", "inprocess"):
         config = make_config(tmp_path, f"eq-{algorithm}-{mode}", 3, 3, train={"algorithm": algorithm}, threads=1)
-        out = Path(config.run.out)
-        shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out / "shards")
-        if mode == "broker":
-            logins = {c: ClientLogin(c, (broker.devices.get(c) or broker.add_device(c)).password) for c in ids}
-            link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-            summary = run_processes(config, shards, link, logins, bundle, out)
-        else:
-            summary = run_inprocess(config, shards, bundle, out)
+        summary, _, _ = run_simulated(mode, config, bundle, broker)
         assert summary["mode"] == mode and summary["rounds"] == 3
-        results[mode] = _accuracies(out)
+        results[mode] = _accuracies(Path(config.run.out))
     assert results["inprocess"] == pytest.approx(results["broker"], abs=1e-4)
     assert results["inprocess"][-1] > 0.3  # it trained: ten classes, chance is 0.1
 

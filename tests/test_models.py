@@ -152,7 +152,8 @@ def test_evaluator_uses_the_svm_rules():
     scores = x @ weights[:3] + weights[3]
     predicted = (scores < 0).astype(int)
     hinge = np.maximum(0, 1 - (1 - 2 * y) * scores) ** 2
-    accuracy, loss = Evaluator(spec, ArrayDataset(x, y), batch_size=3)(weights)
+    result = Evaluator(spec, ArrayDataset(x, y), batch_size=3)(weights)
+    accuracy, loss = result["accuracy"], result["loss"]
     assert accuracy == pytest.approx(np.mean(predicted == y))
     assert accuracy != pytest.approx(np.mean(y == 0))
     assert loss == pytest.approx(hinge.mean(), rel=1e-5)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.models import MODELS, build_model, get_flat, predict_labels
+from edge_client.models import MODELS, build_model, get_flat
 from edge_client.predictor import Predictor, sidecar_path, softmax
+from edge_client.tasks import predicted_labels
 from server.onnx_export import export_onnx, sample_shape_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,7 +235,7 @@ def test_svm_onnx_parity_and_sign_rule(tmp_path: Path) -> None:
     logits = predictor.logits(x)
     assert logits.shape == (64, 1) and np.max(np.abs(logits - expected)) <= 1e-5
     labels = predictor.predict(x)
-    np.testing.assert_array_equal(labels, predict_labels(model, torch.from_numpy(expected)).numpy())
+    np.testing.assert_array_equal(labels, predicted_labels(torch.from_numpy(expected)).numpy())
     assert 0 < labels.sum() < 64  # both signs occur, so the rule is really exercised
     with pytest.raises(ValueError, match="single score output"):
         predictor.predict_proba(x)

@@ -350,7 +350,8 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
     with np.load(out / "checkpoint.npz") as ckpt:
         np.testing.assert_array_equal(ckpt["weights"], w0)  # zero deltas only: the 1e6 one never got in
         assert int(ckpt["round"]) == 3 and int(ckpt["model_version"]) == 3
-    acc0, loss0 = Evaluator(digits.model, digits.test)(w0)
+    tested = Evaluator(digits.model, digits.test)(w0)
+    acc0, loss0 = tested["accuracy"], tested["loss"]
     assert all(r["accuracy"] == acc0 and r["loss"] == pytest.approx(loss0) for r in rows)
 
 

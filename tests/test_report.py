@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from server.progress import clients_table, summary_table
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
+from server.target import Target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -35,7 +38,7 @@ ROWS = [
 
 def test_summarize_counts_to_the_first_round_reaching_the_target() -> None:
     target = 0.9
-    summary = summarize(ROWS, target)
+    summary = summarize(ROWS, Target.accuracy(target))
     first = next(r for r in ROWS if r["accuracy"] >= target)
     assert first["round"] == 3  # the fixture is what the test says it is
     compute = 0.0
@@ -51,7 +54,7 @@ def test_summarize_counts_to_the_first_round_reaching_the_target() -> None:
 
 
 def test_summarize_final_and_best_figures() -> None:
-    summary = summarize(ROWS, 0.9, dataset="digits", seed=4)
+    summary = summarize(ROWS, Target.accuracy(0.9), dataset="digits", seed=4)
     assert summary["final_accuracy"] == 0.95
     assert summary["final_loss"] == 0.4
     assert summary["best_accuracy"] == 0.95
@@ -62,20 +65,20 @@ def test_summarize_final_and_best_figures() -> None:
 
 
 def test_summarize_target_reached_in_the_first_round() -> None:
-    summary = summarize(ROWS, 0.5)
+    summary = summarize(ROWS, Target.accuracy(0.5))
     assert summary["rounds_to_target"] == 1
     assert summary["time_to_target_s"] == 2.5
     assert summary["client_compute_to_target_s"] == pytest.approx(1.25)
 
 
 def test_summarize_target_exactly_equal_counts_as_reached() -> None:
-    summary = summarize(ROWS, 0.8)
+    summary = summarize(ROWS, Target.accuracy(0.8))
     assert summary["rounds_to_target"] == 2
     assert summary["client_compute_to_target_s"] == pytest.approx(1.25 + 0.75)
 
 
 def test_summarize_target_never_reached_gives_none() -> None:
-    summary = summarize(ROWS, 0.99)
+    summary = summarize(ROWS, Target.accuracy(0.99))
     assert summary["rounds_to_target"] is None
     assert summary["time_to_target_s"] is None
     assert summary["client_compute_to_target_s"] is None
@@ -84,7 +87,7 @@ def test_summarize_target_never_reached_gives_none() -> None:
 
 
 def test_summarize_no_rows() -> None:
-    summary = summarize([], 0.9)
+    summary = summarize([], Target.accuracy(0.9))
     assert summary["rounds"] == 0
     assert summary["rounds_to_target"] is None and summary["time_to_target_s"] is None
     assert summary["client_compute_to_target_s"] is None
@@ -93,7 +96,7 @@ def test_summarize_no_rows() -> None:
 
 def test_write_summary_is_json(tmp_path: Path) -> None:
     path = tmp_path / "summary.json"
-    summary = summarize(ROWS, 0.9)
+    summary = summarize(ROWS, Target.accuracy(0.9))
     write_summary(path, summary)
     assert json.loads(path.read_text()) == summary
 
@@ -101,7 +104,7 @@ def test_write_summary_is_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize("target", [0.9, 0.99])
 def test_plot_report_writes_a_png(tmp_path: Path, target: float) -> None:
     path = tmp_path / "report.png"
-    plot_report(ROWS, target, path, "digits, fedavg")
+    plot_report(ROWS, Target.accuracy(target), path, "digits, fedavg")
     data = path.read_bytes()
     assert data[:8] == PNG_MAGIC
     assert data[12:16] == b"IHDR"
@@ -145,5 +148,39 @@ def test_client_summary_aggregates_what_each_device_reported() -> None:
     assert summary["pi-1"] == {
         "rounds": 2, "bytes_up": 20, "bytes_down": 40, "peak_rss_mb": 320.0, "max_temperature_c": 61.5,
         "min_cpu_freq_mhz": 600.0, "throttled_flags": ["throttled"], "mean_compute_s": 1.5, "mean_cpu_s": 0.75,
+        "evaluations": 0, "mean_eval_s": None,
     }  # fmt: skip
     assert summary["pi-2"]["max_temperature_c"] is None and summary["pi-2"]["rounds"] == 1
+
+
+def test_devices_evaluations_are_counted_and_shown_apart_from_training() -> None:
+    def evaluated(eval_s: dict[str, float]) -> dict[str, Any]:
+        return {"devices": {cid: {"num_samples": 10, "loss": 0.5, "eval_s": s} for cid, s in eval_s.items()}}
+
+    train = {"compute_s": 1.0, "cpu_s": 0.5, "bytes_up": 10, "bytes_down": 20, "device": {}}
+    rows = [
+        {"clients": {"pi-1": train, "pi-2": train}, "client_eval": evaluated({"pi-1": 0.25, "pi-2": 0.5})},
+        {"clients": {"pi-1": train}, "client_eval": evaluated({"pi-1": 0.75})},
+    ]
+    per_client = client_summary(rows)
+    assert (per_client["pi-1"]["evaluations"], per_client["pi-1"]["mean_eval_s"]) == (2, 0.5)
+    assert (per_client["pi-2"]["evaluations"], per_client["pi-2"]["mean_eval_s"]) == (1, 0.5)
+    assert per_client["pi-1"]["mean_compute_s"] == 1.0  # evaluation time is not training compute
+
+    console = Console(width=200, record=True)
+    console.print(clients_table(per_client))
+    text = console.export_text()
+    assert "evals" in text and "eval s" in text and "0.500" in text
+    console = Console(width=200, record=True)
+    console.print(clients_table(client_summary([{"clients": {"pi-1": train}}])))
+    assert "eval" not in console.export_text()  # no device evaluated: no such columns
+
+
+def test_summary_table_says_when_no_target_was_set() -> None:
+    def rendered(target: float | None) -> str:
+        console = Console(width=200, record=True)
+        console.print(summary_table({"target_metric": "rmse", "target": target, "final_rmse": 0.25}))
+        return console.export_text()
+
+    assert "target rmse" in rendered(None) and "none set" in rendered(None)
+    assert "0.5000" in rendered(0.5) and "none set" not in rendered(0.5)

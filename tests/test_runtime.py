@@ -19,7 +19,7 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, get_flat, num_params
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Stop, Update, encode
+from edge_client.protocol import Ack, Assignment, Failure, Hello, Message, Presence, Resync, Stop, Update, encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
@@ -60,8 +60,10 @@ class FakeServer:
         self.link = MqttLink(config, f"test-server-{job}", [self.topics.all_up])
         self.link.start()
         # The SUBSCRIBE went out before this PUBLISH on the same connection, so once the broker acknowledges the
-        # publish it has also processed the subscription: no hello can be missed.
-        self.link.publish(self.topics.server, encode(Presence(client_id="server", online=True, role="server")))
+        # publish it has also processed the subscription: no hello can be missed. Retained with the run's model, as
+        # the server announces itself: a device registers once it has seen it.
+        online = Presence(client_id="server", online=True, role="server", model=dict(SPEC))
+        self.link.publish(self.topics.server, encode(online), retain=True)
         assert self.link.wait_published(TIMEOUT)
 
     def send(self, msg: Message, topic: str | None = None) -> None:
@@ -69,13 +71,19 @@ class FakeServer:
         assert self.link.wait_published(TIMEOUT)
 
     def expect(self, kind: type, skip: tuple[type, ...] = ()) -> Any:
-        """The next message of type ``kind`` from CID; messages of the ``skip`` types are passed over."""
+        """The next message of type ``kind`` from CID; messages of the ``skip`` types are passed over. Every hello is
+        and resync is answered as the server answers it (an ack naming the run, here the empty run id of these
+        assignments)."""
         deadline = time.monotonic() + TIMEOUT
         while True:
             received = self.link.receive(timeout=max(0.0, deadline - time.monotonic()))
             assert received is not None, f"no {kind.__name__} within {TIMEOUT} s"
             topic, msg = received
             assert topic == self.topics.up(CID)
+            if isinstance(msg, (Hello, Resync)):
+                self.send(Ack(of=msg.msg_id, accepted=True))
+                if isinstance(msg, Resync) and kind is not Resync:
+                    continue  # the device asks for its assignment on starting: nothing is owed here
             if isinstance(msg, kind):
                 return msg
             assert isinstance(msg, skip), f"expected {kind.__name__}, got {msg!r}"
@@ -87,15 +95,15 @@ class FakeServer:
 class ClientThread:
     """EdgeClient.run on a thread; exceptions are kept for the test to assert on."""
 
-    def __init__(self, client: EdgeClient, max_rounds: int | None) -> None:
+    def __init__(self, client: EdgeClient, max_rounds: int | None, once: bool = False) -> None:
         self.client = client
         self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._run, args=(max_rounds,), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(max_rounds, once), daemon=True)
         self.thread.start()
 
-    def _run(self, max_rounds: int | None) -> None:
+    def _run(self, max_rounds: int | None, once: bool) -> None:
         try:
-            self.client.run(max_rounds=max_rounds)
+            self.client.run(max_rounds=max_rounds, once=once)
         except BaseException as exc:
             self.errors.append(exc)
 
@@ -180,14 +188,21 @@ def test_two_rounds_with_a_custom_model_factory(broker: Broker, job: str, server
     np.testing.assert_allclose(update1.delta, expected.delta, rtol=1e-5, atol=1e-6)
 
 
-def test_stop_on_broadcast_ends_run(broker: Broker, job: str, server: FakeServer) -> None:
-    runner = ClientThread(make_client(broker, job, make_dataset()), max_rounds=None)
+def test_stop_on_broadcast_ends_run_once(
+    broker: Broker, job: str, server: FakeServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``once``: the stop of the run the device registered with ends run(); a stop of another run is ignored."""
+    caplog.set_level(logging.INFO, logger="edge_client")
+    runner = ClientThread(make_client(broker, job, make_dataset()), max_rounds=None, once=True)
     server.expect(Hello)  # connected and subscribed (the hello follows the SUBSCRIBE on the client's connection)
+    server.send(Stop(reason="some other run ended", run_id="another-run"), topic=server.topics.broadcast)
     server.send(Stop(reason="training finished"), topic=server.topics.broadcast)
     runner.join()
     assert runner.client.rounds_done == 0
     done = server.expect(Presence, skip=(Hello,))
     assert (done.client_id, done.online, done.reason) == (CID, False, "done")
+    assert "ignoring the server's stop of run another-run (some other run ended)" in caplog.text
+    assert "left run ; exiting (--once)" in caplog.text
 
 
 def test_assignment_with_mismatched_model_is_reported_and_skipped(

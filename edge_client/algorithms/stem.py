@@ -54,7 +54,7 @@ class StemClient(ClientAlgorithm):
     def _twin_for(self, flat: FlatModel) -> FlatModel:
         twin = self._twin
         if twin is None or self._twin_of is not flat.module or twin.size != flat.size:
-            twin = self._twin = FlatModel(copy.deepcopy(flat.module))
+            twin = self._twin = FlatModel(copy.deepcopy(flat.module), flat.loss_fn)  # the task's loss too
             self._twin_of = flat.module
         twin.module.train(flat.module.training)
         return twin

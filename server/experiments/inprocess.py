@@ -20,7 +20,8 @@ from typing import Any
 
 from paho.mqtt.client import topic_matches_sub
 
-from edge_client.data import load_local_data
+from edge_client.data import load_local_data, split_holdout
+from edge_client.factories import AllowedCode, factory_modules
 from edge_client.protocol import Message
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
@@ -78,6 +79,8 @@ class LocalBus:
 
 class LocalLink(Inbox):
     """A ``Link`` on a ``LocalBus``: publishing delivers at once, and the server's ``receive`` runs waiting clients."""
+
+    session_present = True  # a bus loses nothing
 
     def __init__(
         self,
@@ -151,15 +154,20 @@ def run_inprocess(
     ids = client_ids(config.clients.count)
     state_dirs = client_state_dirs(out_dir, ids)
     for cid, shard in zip(ids, shards, strict=True):
+        data, holdout = load_local_data(shard), None
+        if config.eval.holdout:  # as edge-client run --holdout with --holdout-seed = the run's seed
+            data, holdout = split_holdout(data, config.eval.holdout, config.run.seed, cid)
         client = EdgeClient(
             cid,
-            load_local_data(shard),
+            data,
             None,
             job=config.run.job,
             threads=config.clients.threads,
             state_dir=state_dirs[cid],
             link_factory=bus.connect,
             train=behaviour(roles[cid], cid),
+            holdout=holdout,
+            allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
         )
         bus.add_client(client)
     orchestrator = make_orchestrator(

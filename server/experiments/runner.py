@@ -70,6 +70,8 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "column": spec.column,
         "algorithm": spec.algorithm,
         "seed": spec.seed,
+        "path": spec.path,
+        "params": config.algorithm_params(),
         "summary": summary,
         "curve": [
             {
@@ -79,10 +81,20 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
                 "slowest_compute_s": r["slowest_compute_s"],
                 "compute_s": sum(c["compute_s"] for cid, c in r["clients"].items() if cid not in lazy),
                 "local_steps": sum(c["local_steps"] for cid, c in r["clients"].items() if cid not in lazy),
+                **round_alphas(r),
             }
             for r in rows
         ],
     }
+
+
+def round_alphas(row: dict[str, Any]) -> dict[str, Any]:
+    """TACO's alpha_i (eq. 7) of the clients that reported this round, for the algorithms that compute it (a
+    per-client dict; STEM's ``alpha`` is its scalar alpha_t, not this)."""
+    alpha = row["algorithm"].get("alpha")
+    if not isinstance(alpha, dict):
+        return {}
+    return {"alpha": {cid: alpha[cid] for cid in row["clients"] if cid in alpha}}
 
 
 def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Console | None = None) -> list[dict]:

@@ -7,6 +7,7 @@ number of torch threads so that two cores are shared predictably.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from edge_client.factories import factory_modules
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.checkpoint import resumes
@@ -46,10 +50,14 @@ def client_ids(count: int) -> list[str]:
 def prepare_shards(
     bundle: DatasetBundle, ids: list[str], scheme: str, seed: int, shard_dir: Path
 ) -> tuple[list[Path], str]:
-    """Partition the training set, write ``<id>.npz`` per client and the label histograms beside them."""
+    """Partition the training set, write ``<id>.npz`` per client and the label histograms beside them (sample
+    counts alone for regression targets, which have no classes to count)."""
     parts = partition_bundle(bundle, len(ids), scheme, seed)
     shards = write_shards(bundle.train, parts, shard_dir, ids)
-    table = format_histograms(label_histograms(bundle.train.y, parts, bundle.num_classes), ids)
+    if np.issubdtype(bundle.train.y.dtype, np.integer):
+        table = format_histograms(label_histograms(bundle.train.y, parts, bundle.num_classes), ids)
+    else:
+        table = "\n".join(f"{cid} {len(part)} samples" for cid, part in zip(ids, parts, strict=True))
     (shard_dir / "label_histograms.txt").write_text(table + "\n")
     return shards, table
 
@@ -91,6 +99,22 @@ def client_state_dirs(out_dir: Path, client_ids: list[str]) -> dict[str, Path]:
     return paths
 
 
+def user_code(config: RunConfig) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment with which a simulated device imports the run's own model and task factories: it
+    may import exactly their modules (``--model-package``), found where the server found them (``PYTHONPATH``)."""
+    modules = factory_modules(config.model, config.task)
+    if not modules:
+        return [], {}
+    places = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)  # the server imported it already (its config was checked)
+        if spec is not None and spec.origin:
+            place = Path(spec.origin).parent
+            places.append(str(place.parent if spec.submodule_search_locations else place))
+    path = os.pathsep.join(dict.fromkeys([*places, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return [arg for name in modules for arg in ("--model-package", name)], {"PYTHONPATH": path}
+
+
 def start_clients(
     config: RunConfig,
     url: str | dict[str, str],
@@ -98,10 +122,13 @@ def start_clients(
     shards: list[Path],
     out_dir: Path,
     ca_file: str | None = None,
+    *,
+    once: bool = True,
 ) -> dict[str, subprocess.Popen]:
     """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``.
 
     ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster).
+    ``once``: each exits when the run ends (a simulation); else they stay for the next run, as devices do.
     """
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +137,7 @@ def start_clients(
     roles = behaviours(config)
     ids = client_ids(config.clients.count)
     state_dirs = client_state_dirs(out_dir, ids)
+    code_flags, code_env = user_code(config)
     for cid, shard in zip(ids, shards, strict=True):
         login = logins[cid]
         # a dishonest client is the device's own command line with its training wrapped (attacks.py)
@@ -135,13 +163,18 @@ def start_clients(
             str(config.broker.chunk_size),
             "--state-dir",
             str(state_dirs[cid]),
+            *(["--once"] if once else []),
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
+        if config.eval.holdout:
+            cmd += ["--holdout", str(config.eval.holdout), "--holdout-seed", str(config.run.seed)]
         if config.broker.max_packet_size:
             cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
+        cmd += code_flags
         env = {
             **os.environ,
+            **code_env,
             "EDGEFL_PASSWORD": login.password,
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,

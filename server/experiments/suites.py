@@ -15,6 +15,7 @@ A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clien
     [[bench.variants]]                       # optional: named overrides, one table column each
     name = "C=0.1"
     clients = { fraction = 0.1 }
+    algorithms = ["fedumf"]                  # optional: only these of the suite's algorithms run in this variant
 
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
@@ -38,6 +39,7 @@ MODES = ("inprocess", "broker")
 class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    algorithms: list[str] | None = None  # None: all of the suite's
 
 
 @dataclass
@@ -82,6 +84,8 @@ class Suite:
             for partition in self.partitions:
                 for seed in self.seeds:
                     for algorithm in self.algorithms:
+                        if variant.algorithms is not None and algorithm not in variant.algorithms:
+                            continue
                         data = _merge(self.base, variant.overrides)
                         data = _merge(
                             data,
@@ -114,14 +118,15 @@ def shipped() -> list[str]:
     )
 
 
-def _str_list(bench: dict[str, Any], key: str, where: str, *, kind: type = str) -> list[Any]:
+def _str_list(bench: dict[str, Any], key: str, where: str, *, kind: type = str, prefix: str = "") -> list[Any]:
     value = bench.get(key)
     if (
         not isinstance(value, list)
         or not value
         or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
     ):
-        raise ConfigError(f"{where}: bench.{key} must be a non-empty list of {kind.__name__}s; got {value!r}")
+        name = f"bench.{prefix}.{key}" if prefix else f"bench.{key}"
+        raise ConfigError(f"{where}: {name} must be a non-empty list of {kind.__name__}s; got {value!r}")
     return value
 
 
@@ -144,14 +149,20 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     for i, raw in enumerate(bench.get("variants") or [{"name": "default"}]):
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
             raise ConfigError(f'{where}: bench.variants[{i}] needs a name = "..." and the sections it overrides')
-        overrides = {k: v for k, v in raw.items() if k != "name"}
-        variants.append(Variant(raw["name"], overrides))
+        overrides = {k: v for k, v in raw.items() if k not in ("name", "algorithms")}
+        only = _str_list(raw, "algorithms", where, prefix=f"variants[{i}]") if "algorithms" in raw else None
+        variants.append(Variant(raw["name"], overrides, only))
     if len({v.name for v in variants}) != len(variants):
         raise ConfigError(f"{where}: bench.variants names must be unique")
+    algorithms = _str_list(bench, "algorithms", where)
+    for i, variant in enumerate(variants):
+        stray = sorted(set(variant.algorithms or []) - set(algorithms))
+        if stray:
+            raise ConfigError(f"{where}: bench.variants[{i}].algorithms names {stray}, not in bench.algorithms")
     suite = Suite(
         name=name,
         base=data,
-        algorithms=_str_list(bench, "algorithms", where),
+        algorithms=algorithms,
         partitions=_str_list(bench, "partitions", where),
         seeds=_str_list(bench, "seeds", where, kind=int),
         variants=variants,

@@ -19,6 +19,7 @@ import numpy as np
 from edge_client.contract import Contract
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment, Update
+from edge_client.tasks import TASKS, Task
 
 log = logging.getLogger("edgefl.server")
 
@@ -44,6 +45,7 @@ class ServerContext:
     clients: dict[str, int] = field(default_factory=dict)  # client id -> number of local samples (as registered)
     root: ArrayDataset | None = None  # server-side data (DRAG-BR's root data set)
     seed: int = 0
+    task: Task = TASKS["classification"]  # the run's task: the loss of training on the server (DRAG-BR's root)
 
 
 class Strategy(ABC):

@@ -28,6 +28,7 @@ from edge_client.data import BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
 from edge_client.protocol import Update
+from edge_client.tasks import task_loss
 from edge_client.trainer import Plan, train_local
 from server.strategies.base import ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, cosine
@@ -65,7 +66,8 @@ class DragBR(Strategy):
         if ctx.root is None or len(ctx.root) == 0:
             raise ValueError(f"{self.name}: needs a server-side root data set; the server keeps "
                              f"[algorithm.{self.name}] root_size training samples for it")  # fmt: skip
-        self.flat = FlatModel(build_model(ctx.model_spec))
+        module = build_model(ctx.model_spec)
+        self.flat = FlatModel(module, task_loss(module, ctx.task))
         if ctx.num_params and self.flat.size != ctx.num_params:
             raise ValueError(f"{self.name}: model spec has {self.flat.size} parameters, the run has {ctx.num_params}")
 

@@ -23,11 +23,14 @@ from server.strategies.common import EPS, cosine, normalise, weighted_sum
 log = logging.getLogger("edgefl.server")
 
 
-def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
-    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0)``.
+def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, r), 0)``.
 
-    The mean is the unweighted mean of the raw uploads ((f)4); cosines use the C5 guard, so a zero upload or a zero
-    mean gives 0; when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
+    ``reference = "mean"``: ``r`` is the unweighted mean of the raw uploads, eq. 7 as printed ((f)4).
+    ``"previous_global"``: ``r`` is ``previous``, the global update the clients were sent this round (the prose's
+    reading: the cosine between a client's update and the previous global gradient); ``None`` before the first
+    aggregation, when every cosine is 0 by the C5 guard. Cosines use the C5 guard (a zero upload or reference gives
+    0); when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
     Returns float64 alphas in [0, 1), one per delta, in order.
     """
     n = len(deltas)
@@ -35,10 +38,10 @@ def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
         return np.zeros(0)
     norms = np.array([float(np.linalg.norm(d)) for d in deltas])
     total = float(norms.sum())
-    if total <= EPS:
+    ref = weighted_sum([1.0 / n] * n, deltas, deltas[0]) if reference == "mean" else previous
+    if total <= EPS or ref is None:
         return np.zeros(n)
-    mean = weighted_sum([1.0 / n] * n, deltas, deltas[0])
-    cos = np.array([max(cosine(d, mean), 0.0) for d in deltas])
+    cos = np.array([max(cosine(d, ref), 0.0) for d in deltas])
     return (1.0 - norms / total) * cos
 
 
@@ -53,7 +56,9 @@ class Taco(Strategy):
     sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
     which no update arrived so the version did not advance); the last-sent version per client is tracked.
     (3) ``alpha_i^{t+1}`` from round t's uploads weights round t's aggregation, is counted for eq. 10, and is the
-    client's coefficient in round t+1. (4) The mean in eq. 7 is the unweighted mean of raw uploads.
+    client's coefficient in round t+1. (4) ``alpha_reference``: eq. 7's cosine against the unweighted mean of the raw
+    uploads ("mean", the equation) or against the global update the clients were sent ("previous_global", the
+    prose); see ``taco_alphas``.
     (5) Round 1 (paper t = 0): ``Delta_0 = 0``, so clients apply no correction; ``alpha_init`` (0.1) is sent to
     clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
     (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
@@ -67,6 +72,9 @@ class Taco(Strategy):
     gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
+    Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
+    is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
+    alphas, expulsion and z (the paper's row for both off on adult Dir(0.5), 78.88%, is its FedAvg figure in Table V).
     Note: ``assign`` records the client as a recipient of the current version (call it only when sending).
 
     Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
@@ -124,9 +132,8 @@ class Taco(Strategy):
     def assign(self, round_: int, client_id: str) -> Assignment:
         a = super().assign(round_, client_id)
         a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
-        if self.last_step is not None and (
-            self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
-        ):
+        missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
+        if self.params["tailored_correction"] and self.last_step is not None and missed:
             a.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
         self.last_sent[client_id] = self.version
         return a
@@ -177,7 +184,7 @@ class Taco(Strategy):
         updates = [u for u in updates if u.client_id not in gone]
         if not updates:
             return weights
-        alphas = taco_alphas([u.delta for u in updates])
+        alphas = taco_alphas([u.delta for u in updates], self.params["alpha_reference"], self.last_step)
         candidates = []
         for u, a in zip(updates, alphas, strict=True):
             self.alpha[u.client_id] = float(a)
@@ -185,11 +192,9 @@ class Taco(Strategy):
                 candidates.append(u.client_id)
         expelled_now = self._expel(round_, candidates)
         keep = [u for u in updates if u.client_id not in expelled_now]
-        if self.params["drop_on_expel_round"] and keep:
-            p = normalise([self.alpha[u.client_id] for u in keep])
-            chosen = keep
-        else:
-            p, chosen = normalise(alphas), updates  # eq. 9; uniform fallback when sum alpha <= EPS
+        chosen = keep if self.params["drop_on_expel_round"] and keep else updates
+        tailored = self.params["tailored_aggregation"]
+        p = normalise([self.alpha[u.client_id] if tailored else 1.0 for u in chosen])  # eq. 9 (uniform if all 0)
         step = weighted_sum(p, (u.delta for u in chosen), weights)  # eta_g * Delta_{t+1}
         self.last_step = step
         self.version += 1
@@ -240,7 +245,8 @@ class TailoredCoefficients:
 
     ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
     alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
-    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)).
+    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
+    reference is the host's last global update ``w_{t-1} - w_t``.
     """
 
     params: dict[str, Any]
@@ -248,6 +254,7 @@ class TailoredCoefficients:
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)  # type: ignore[call-arg]
         self.taco_alpha: dict[str, float] = {}
+        self.global_step: np.ndarray | None = None  # w_{t-1} - w_t, kept for "previous_global" only
 
     def alpha_of(self, client_id: str) -> float:
         return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
@@ -258,17 +265,23 @@ class TailoredCoefficients:
         return a
 
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        alphas = taco_alphas([u.delta for u in updates])  # alpha_i^{t+1}, for the next round's coefficient
+        reference = self.params["alpha_reference"]
+        alphas = taco_alphas([u.delta for u in updates], reference, self.global_step)  # alpha_i^{t+1}, next round's
         new = super().aggregate(round_, weights, updates)  # type: ignore[misc]
         self.taco_alpha.update({u.client_id: float(a) for u, a in zip(updates, alphas, strict=True)})
+        if reference == "previous_global":
+            self.global_step = (weights - new).astype(np.float32)
         return new
 
     def round_metrics(self) -> dict[str, Any]:
         return {**super().round_metrics(), "alpha": dict(self.taco_alpha)}  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha)}  # type: ignore[misc]
+        step = None if self.global_step is None else self.global_step.copy()
+        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha), "global_step": step}  # type: ignore[misc]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # type: ignore[misc]
         self.taco_alpha = {str(k): float(v) for k, v in state.get("taco_alpha", {}).items()}
+        step = state.get("global_step")
+        self.global_step = None if step is None else np.asarray(step, dtype=np.float32)
