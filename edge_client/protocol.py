@@ -1,7 +1,9 @@
 """Wire protocol: typed messages, encode/decode and strict validation.
 
 A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one
-buffer fill and decoding is zero-copy (``np.frombuffer`` views into the payload). Everything a peer sends is
+buffer fill and decoding is zero-copy (``np.frombuffer`` views into the payload). A vector may instead travel
+compressed (``edge_client.codecs``): its entry's dtype slot then holds the codec's wire descriptor and its raw parts
+follow in its place; decoding reads the parts zero-copy and writes one float32 vector. Everything a peer sends is
 untrusted: decode bounds the header parse and checks version, type, every field and every array before any
 message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds metrics.
 """
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from edge_client import codecs
 from edge_client.topics import CLIENT_ID_RE
 
 PROTOCOL_VERSION = 2  # 2: assignments carry settings (the contract's), momentum, weight decay and the run id
@@ -88,6 +91,16 @@ class DuplicateMessage(ProtocolError):
         self.msg_id = msg_id
 
 
+class CompressedPayloadError(ProtocolError):
+    """A compressed vector that does not decode; its ``reason`` is the codec's own (``codecs.REASONS``)."""
+
+    reason = "codec_payload"
+
+    def __init__(self, where: str, exc: codecs.CodecError) -> None:
+        super().__init__(f"{where}: {exc}")
+        self.reason = exc.reason
+
+
 def new_msg_id() -> str:
     """Random 32-hex-char id; receivers de-duplicate on it (brokers redeliver after a crash)."""
     return uuid.uuid4().hex
@@ -131,6 +144,13 @@ class Assignment:
     upload: bool = True
     seed: int = 0
     run_id: str = ""
+    # Compression (edge_client.codecs): the codec this device uploads with; when ``diff_base`` is a model's sha256,
+    # ``weights`` is the difference from that model, and ``model_sha256`` the sha256 of the model to rebuild (set
+    # whenever the device should keep the model for the next round's difference).
+    codec: str = "fp32"
+    diff_base: str = ""
+    model_sha256: str = ""
+    codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
     task: dict[str, Any] = field(default_factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
@@ -153,6 +173,7 @@ class Update:
     extras: dict[str, Any] = field(default_factory=dict)  # the values the algorithm's contract returns
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     run_id: str = ""
+    codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "update"
 
@@ -391,6 +412,14 @@ def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a map with str keys"
 
 
+def _codec(v: Any) -> str | None:
+    try:
+        codecs.parse(v)
+    except ValueError:
+        return f"a codec: {codecs.SPEC_HELP}"
+    return None
+
+
 def _text(limit: int) -> Check:
     def check(v: Any) -> str | None:
         return None if isinstance(v, str) and len(v) <= limit else f"a str of at most {limit} characters"
@@ -403,6 +432,7 @@ _CID = _str(CLIENT_ID_RE)
 _TEXT = _str()
 _INT = _int()
 _RUN = _str(_RUN_ID_RE)
+_SHA_OR_EMPTY = _str(re.compile(r"(?:[0-9a-f]{64})?"))
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
 _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
@@ -429,6 +459,9 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "upload": ("upload", _bool),
         "seed": ("seed", _NONNEG),
         "run": ("run_id", _RUN),
+        "codec": ("codec", _codec),
+        "diff_base": ("diff_base", _SHA_OR_EMPTY),
+        "model_sha256": ("model_sha256", _SHA_OR_EMPTY),
         "task": ("task", _dict),
     },
     "update": {
@@ -614,12 +647,12 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     _check_fields(t, f)
     if not isinstance(msg.msg_id, str) or not _MSG_ID_RE.fullmatch(msg.msg_id):
         raise InvalidField(f"{t}: msg_id expected a str matching {_MSG_ID_RE.pattern}, got {_short(msg.msg_id)}")
-    blobs: list[tuple[str, str, list[int], memoryview]] = []
+    blobs: list[tuple[str, str, list[int], list[memoryview]]] = []
     if t in _BYTES:
         data = memoryview(msg.data).cast("B")  # type: ignore[union-attr]
         if t == "chunk":
             _check_chunk(f, data.nbytes)
-        blobs.append(("data", _U8, [data.nbytes], data))
+        blobs.append(("data", _U8, [data.nbytes], [data]))
     elif t in _VECTOR:
         named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
         extra = msg.arrays if t in _EXTRA_ARRAYS else {}  # type: ignore[union-attr]
@@ -627,8 +660,11 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
             raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
         named += [(f"x:{k}", v, False) for k, v in extra.items()]
         for name, arr, vector in named:
+            if isinstance(arr, codecs.Encoded):  # its parts, raw, in wire order
+                blobs.append((name, arr.wire, [arr.size], [memoryview(p).cast("B") for p in arr.parts]))
+                continue
             a = _as_f4(t, name, arr, vector)
-            blobs.append((name, DTYPE, list(a.shape), memoryview(a.reshape(-1)).cast("B")))
+            blobs.append((name, DTYPE, list(a.shape), [memoryview(a.reshape(-1)).cast("B")]))
     header = {"v": PROTOCOL_VERSION, "t": t, "id": msg.msg_id, "f": f, "a": [[n, d, s] for n, d, s, _ in blobs]}
     try:
         head = msgpack.packb(header, use_bin_type=True, default=_np_scalar)
@@ -637,7 +673,7 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     if len(head) > MAX_HEADER_BYTES:
         raise MessageTooLarge(f"{t}: header expected <= {MAX_HEADER_BYTES} bytes, got {len(head)}")
     # join sizes the result once and copies each part once; unlike bytearray(n) it does not zero-fill first (1.6x).
-    return bytearray().join([head, *(b for *_, b in blobs)])
+    return bytearray().join([head, *(part for *_, parts in blobs for part in parts)])
 
 
 # ---------------------------------------------------------------------------------------------------------- decode
@@ -710,17 +746,26 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
         want = _U8 if t in _BYTES else DTYPE
-        if dtype != want:
-            raise InvalidField(f"{t}: array {name!r} dtype expected {want!r}, got {_short(dtype)}")
+        compressed = t in _VECTOR and codecs.is_wire(dtype)
+        if dtype != want and not compressed:
+            raise InvalidField(f"{t}: array {name!r} dtype expected {want!r} or a codec, got {_short(dtype)}")
         if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_int(s) and s >= 0 for s in shape)):
             raise ShapeMismatch(f"{t}: array {name!r} shape expected <= 32 ints >= 0, got {_short(shape)}")
-        if (name in (vector, "data")) and len(shape) != 1:
+        if (name in (vector, "data") or compressed) and len(shape) != 1:
             raise ShapeMismatch(f"{t}: array {name!r} expected 1-D, got shape {shape}")
-        itemsize = 1 if t in _BYTES else 4
-        # zeros count as 1: an empty array with a huge other dimension would make numpy's reshape fail in decode
-        if math.prod(max(s, 1) for s in shape) * itemsize > size:
+        if compressed:
+            try:
+                nbytes = bound = codecs.layout(dtype, shape[0]).nbytes
+            except codecs.CodecError as exc:
+                raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
+        else:
+            itemsize = 1 if t in _BYTES else 4
+            nbytes = math.prod(shape) * itemsize
+            # zeros count as 1: an empty array with a huge other dimension would make numpy's reshape fail in decode
+            bound = math.prod(max(s, 1) for s in shape) * itemsize
+        if bound > size:
             raise ShapeMismatch(f"{t}: array {name!r} shape {_short(shape)} is larger than the {size}-byte frame")
-        total += math.prod(shape) * itemsize
+        total += nbytes
     need = vector or ("data" if t in _BYTES else None)
     if need is not None and need not in seen:
         raise MissingField(f"{t}: missing field {need!r}")
@@ -742,22 +787,35 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
     t, f = header["t"], header["f"]
     kwargs = {attr: f[key] for key, (attr, _) in _SPECS[t].items() if key in f}
     kwargs["msg_id"] = header["id"]
+    compressed = {name: dtype for name, dtype, _ in header["a"] if t in _VECTOR and dtype != DTYPE}
+    expanded = sum(4 * shape[0] for name, _, shape in header["a"] if name in compressed)
+    if expanded > max_bytes:  # a few top-k entries may claim a vector of any length: bound what decoding allocates
+        raise MessageTooLarge(f"{t}: compressed arrays expand to {expanded} bytes, expected <= {max_bytes}")
     extra: dict[str, np.ndarray] = {}
-    for name, _, shape in header["a"]:
-        count = math.prod(shape)
+    for name, dtype, shape in header["a"]:
         if t in _BYTES:
+            count = math.prod(shape)
             kwargs["data"] = memoryview(payload)[pos : pos + count]
             pos += count
             continue
-        arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
-        pos += 4 * count
-        if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
-            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-            raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
+        if name in compressed:
+            try:
+                arr = codecs.decode_wire(dtype, shape[0], payload, pos)  # finite by construction, or refused
+            except codecs.CodecError as exc:
+                raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
+            pos += codecs.layout(dtype, shape[0]).nbytes
+        else:
+            count = math.prod(shape)
+            arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
+            pos += 4 * count
+            if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
         if name[:2] == "x:":
             extra[name[2:]] = arr
         else:
             kwargs[name] = arr
     if t in _EXTRA_ARRAYS:
         kwargs["arrays"] = extra
+        kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
     return _CLASSES[t](**kwargs)

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -23,6 +23,8 @@ from torch import nn
 from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.codecs import ModelMismatch
+from edge_client.compression import HeldModel, Uplink
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
@@ -64,6 +66,14 @@ class Refused(RuntimeError):
 LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 #: One round of local training (``trainer.train_local``; experiments wrap it to simulate dishonest clients).
 TrainFn = Callable[[FlatModel, np.ndarray, ArrayDataset, BatchSampler, Plan, ClientAlgorithm], TrainResult]
+
+
+class Stateful(Protocol):
+    """State kept in ``state_dir`` across restarts: an algorithm's, or the upload residuals."""
+
+    def state_dict(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None: ...
 
 
 class EdgeClient:
@@ -113,6 +123,9 @@ class EdgeClient:
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._last_upload: dict[str, float] = {}
+        self.uplink = Uplink(self.client_id)  # top-k residuals survive a restart like an algorithm's state
+        self._load_state("uplink", self.uplink)
+        self.held = HeldModel()
         subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
         self.link: Link
         if link_factory is not None:
@@ -307,16 +320,19 @@ class EdgeClient:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
         if name not in self._algorithms:
             algorithm = self._algorithms[name] = client_algorithm(name)
-            path = self._state_path(name)
-            if path is not None and path.exists():
-                with np.load(path) as saved:
-                    algorithm.load_state_dict({k: saved[k] for k in saved.files})
-                log.info("restored %s state from %s", name, path)
+            self._load_state(name, algorithm)
         return self._algorithms[name]
 
-    def _save_state(self, name: str, algorithm: ClientAlgorithm) -> None:
+    def _load_state(self, name: str, holder: Stateful) -> None:
+        path = self._state_path(name)
+        if path is not None and path.exists():
+            with np.load(path) as saved:
+                holder.load_state_dict({k: saved[k] for k in saved.files})
+            log.info("restored %s state from %s", name, path)
+
+    def _save_state(self, name: str, holder: Stateful) -> None:
         """Written atomically after every round, so a restart never finds half a file."""
-        path, state = self._state_path(name), algorithm.state_dict()
+        path, state = self._state_path(name), holder.state_dict()
         if path is None or not state:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,12 +350,15 @@ class EdgeClient:
         try:
             model = self._model_for(assignment.model, self._task_for(assignment.task))
             algorithm = self._algorithm_for(assignment.algorithm)
-            if assignment.weights is None or model.size != assignment.weights.size:
+            weights = self.held.resolve(assignment)  # the model, or the one held plus a difference (hash-checked)
+            if weights is None or model.size != weights.size:
                 raise ValueError(
-                    f"the server's model has {getattr(assignment.weights, 'size', 0)} parameters, this client's "
-                    f"{model.size}"
+                    f"the server's model has {getattr(weights, 'size', 0)} parameters, this client's {model.size}"
                 )
             plan = plan_for(assignment, algorithm, model.size)
+        except ModelMismatch as exc:  # the server sends the full model once it hears this
+            self._fail(assignment.round, assignment.run_id, "model_mismatch", exc, assignment.deadline_s)
+            return
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
             self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
             return
@@ -350,14 +369,14 @@ class EdgeClient:
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         before = device.snapshot()
         try:
-            result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)
+            result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
             self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
             return
-        self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
         if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
+            self._save_state(assignment.algorithm, algorithm)
             report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,
                                    result.cpu_s, run_id=assignment.run_id)  # fmt: skip
             self.link.publish(self.topics.up(self.client_id), encode(report))
@@ -371,6 +390,17 @@ class EdgeClient:
             return
 
         t0 = time.perf_counter()
+        try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved
+            delta, arrays = self.uplink.encode(assignment, algorithm, result.delta, result.arrays)
+        except ValueError as exc:  # e.g. a diverged round's NaN, which no lossy codec carries
+            delta, arrays, encode_error = result.delta, result.arrays, exc
+        else:
+            encode_error = None
+        self._save_state(assignment.algorithm, algorithm)
+        self._save_state("uplink", self.uplink)
+        if encode_error is not None:
+            self._fail(assignment.round, assignment.run_id, "encode", encode_error, assignment.deadline_s)
+            return
         update = Update(
             round=assignment.round,
             model_version=assignment.model_version,
@@ -380,7 +410,7 @@ class EdgeClient:
             compute_s=result.compute_s,
             cpu_s=result.cpu_s,
             train_loss=result.train_loss,
-            delta=result.delta,
+            delta=delta,
             metrics={
                 "threads": self.threads,
                 "before": before,
@@ -390,7 +420,7 @@ class EdgeClient:
                 "last_upload": self._last_upload,
             },
             extras=result.extras,
-            arrays=result.arrays,
+            arrays=arrays,
             run_id=assignment.run_id,
         )
         payload = encode(update)

@@ -64,6 +64,12 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--broker": ("broker__url", str, "use this broker (mqtt://HOST:PORT or mqtts://...) instead of starting one"),
     "--username": ("broker__username", str, "broker username of the server"),
     "--ca-file": ("broker__ca_file", str, "CA certificate for an mqtts:// broker"),
+    "--codec": (
+        "train__codec",
+        str,
+        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (README: Compression); with "
+        "train.codec_policy = 'link' in the config, the codec of devices whose link is not measured yet",
+    ),
     "--max-packet-size": (
         "broker__max_packet_size",
         int,

@@ -10,7 +10,8 @@
 [eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
              deadline_s, holdout (simulated devices)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, store_ram_mb,
-             steps_policy, round_budget_s, tau_min, tau_max
+             steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s, codec_ladder,
+             downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
@@ -29,6 +30,7 @@ from typing import Any
 
 import tomllib
 
+from edge_client import codecs
 from edge_client.algorithms import contract_of
 from server.strategies.store import DEFAULT_RAM_BYTES
 
@@ -109,6 +111,15 @@ class TrainSection:
     round_budget_s: float = 0.0
     tau_min: int = 1
     tau_max: int = 0  # 0: train.local_steps
+    # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
+    # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
+    # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
+    codec: str = "fp32"
+    codec_policy: str = "fixed"
+    upload_budget_s: float = 0.0
+    codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
+    # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
+    downlink_codec: str = "fp32"
 
 
 @dataclass
@@ -190,6 +201,20 @@ class RunConfig:
                 self.train.tau_max == 0 or self.train.tau_max >= self.train.tau_min,
                 f"0 (train.local_steps) or an integer >= train.tau_min ({self.train.tau_min})",
             ),
+            ("train.codec_policy", self.train.codec_policy in ("fixed", "link"), "'fixed' or 'link'"),
+            (
+                "train.upload_budget_s",
+                self.train.upload_budget_s > 0
+                if self.train.codec_policy == "link"
+                else self.train.upload_budget_s >= 0,
+                "seconds > 0 when train.codec_policy = 'link' (the longest an upload should take)",
+            ),
+            ("train.codec_ladder", bool(self.train.codec_ladder), "a non-empty list of codecs, least lossy first"),
+            (
+                "train.downlink_codec",
+                self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
+                "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
+            ),
             ("eval.mode", self.eval.mode in ("", "server", "clients", "both"), '"server", "clients" or "both"'),
             ("eval.every", self.eval.every >= 1, "an integer >= 1"),
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
@@ -207,6 +232,12 @@ class RunConfig:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
                 raise ConfigError(f"{key} must be {expected}; got {value!r}")
+        named = [("train.codec", self.train.codec), ("train.downlink_codec", self.train.downlink_codec)]
+        for key, text in [*named, *(("train.codec_ladder", c) for c in self.train.codec_ladder)]:
+            try:
+                codecs.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
         for name, params in {self.train.algorithm: {}, **self.algorithm}.items():
             try:
                 contract_of(name).resolve(params)

@@ -59,10 +59,12 @@ from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
+from server.codec_policy import CodecPolicy
 from server.compute_reports import ComputeReports
 from server.config import RunConfig
 from server.deadlines import DeviceTimes, round_deadline
 from server.delivery import Delivery
+from server.downlink import MISMATCH, Downlink
 from server.evaluation import Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.fleet_summary import device_class, fleet_summary, parallel_round_s
@@ -158,6 +160,10 @@ class Orchestrator:
         self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
         self.reports = ComputeReports()  # what clients told to train without uploading spent
         self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
+        t = config.train  # compression: each device's upload codec, and the model or model difference it is sent
+        self.codecs = CodecPolicy(t.codec, t.codec_policy, t.upload_budget_s, t.codec_ladder, self.strategy.contract,
+                                  self.num_params)  # fmt: skip
+        self.downlink = Downlink(t.downlink_codec, config.run.seed)
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
@@ -248,6 +254,7 @@ class Orchestrator:
             )
         self._check_model(sender, hello)
         known = self.clients.get(sender)
+        self.downlink.forget(sender)  # a device says hello when it (re)starts: it holds no model
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
@@ -299,6 +306,8 @@ class Orchestrator:
         self.times.arrived(sender)
         state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
+        self.codecs.observe(sender, update.metrics)
+        self.downlink.confirm(sender)
         log.info(
             "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
             state.round,
@@ -312,6 +321,8 @@ class Orchestrator:
     def _failed(self, sender: str, failure: Failure) -> None:
         if failure.client_id != sender:
             raise InvalidField(f"failure on the topic of {sender!r} claims client id {failure.client_id!r}")
+        if failure.reason == MISMATCH:
+            self.downlink.forget(sender)
         state = self.current
         if self.federated.failed(sender, failure.round, failure.reason):
             log.warning("round %d: %s cannot evaluate (%s: %s)", failure.round, sender, failure.reason, failure.detail)
@@ -372,8 +383,11 @@ class Orchestrator:
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
         self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
         self.times.round_started()
+        self.downlink.publish(weights)
         told: dict[str, Any] = {}
         for cid, a in planned.items():
+            start, base, sha256 = self.downlink.model_for(cid) if a.weights is None else (a.weights, "", "")
+            state.codecs[cid] = self.codecs.codec_for(cid)
             a = replace(
                 a,
                 round=round_,
@@ -381,17 +395,24 @@ class Orchestrator:
                 deadline_s=deadline_s,
                 algorithm=self.strategy.name,
                 model=self.model_spec,
-                weights=weights if a.weights is None else a.weights,
+                weights=start,
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
+                codec=str(state.codecs[cid]),
+                diff_base=base,
+                model_sha256=sha256,
                 task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
             self.delivery.assigned(round_, cid, a)
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
             self.times.sent(cid)
-            told[cid] = {**assignment_summary(a), "bytes_down": self.link.publish(self.topics.down(cid), encode(a))}
+            told[cid] = {
+                **assignment_summary(a),
+                **self.codecs.describe(cid),
+                "bytes_down": self.link.publish(self.topics.down(cid), encode(a)),
+            }
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     def _collect(self, state: RoundState) -> None:

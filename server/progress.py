@@ -99,6 +99,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
         ("fleet compute (all clients)", fmt(summary.get("fleet_compute_s"), " s")),
+        ("MB moved (up / down)", f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}"),
+        ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
+        ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
     if "parallel_clock_s" in summary:  # in-process: the time a fleet of these devices would take
         rows.insert(6, ("parallel clock", fmt(summary["parallel_clock_s"], " s")))

@@ -297,5 +297,5 @@ def test_too_large() -> None:
 
 def test_reasons_are_distinct() -> None:
     classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
-    assert len({c.reason for c in classes}) == len(classes) == 12
+    assert len({c.reason for c in classes}) == len(classes) == 13
     assert all(issubclass(c, ValueError) for c in classes)
