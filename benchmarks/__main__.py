@@ -23,7 +23,7 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_OUT, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "footprint", "round_overhead", "load"]
+BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "footprint", "round_overhead", "load", "fleet"]
 TITLES = {
     "wire": "wire",
     "aggregation": "server aggregation",
@@ -31,6 +31,7 @@ TITLES = {
     "memory": "client memory",
     "footprint": "device footprint",
     "round_overhead": "round overhead",
+    "fleet": "heterogeneous fleet",
 }
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 VERDICT = re.compile(r"^\**\s*(PASS|MISS)\b", re.IGNORECASE)

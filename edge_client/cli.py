@@ -74,6 +74,7 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
         train=train or train_local,
         holdout=holdout,
         allowed=AllowedCode.of(args.model_path or (), args.model_package or ()),
+        device_class=args.device_class,
     )
     signal.signal(signal.SIGTERM, _terminate)
     client.run(max_rounds=args.max_rounds, once=args.once)
@@ -216,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--once",
         action="store_true",
         help="exit (status 0) when the run this device takes part in ends, instead of waiting for the next run",
+    )
+    run.add_argument(
+        "--device-class",
+        help="this device's class, e.g. pi4 (a fleet profile's name): the server reports compute and missed rounds "
+        "per class",
     )
     run.set_defaults(func=cmd_run)
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.codecs import RULES
+
 #: Default bound on the L2 norm of every model-sized array a device sends: orders of magnitude above any honest
 #: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
 #: or malicious one. Each array's bound can be overridden per algorithm (``max_norm_<array>``).
@@ -118,7 +120,9 @@ class Array:
     """A model-sized float32 vector one half sends the other.
 
     ``max_norm`` bounds the L2 norm of what a device sends (configurable as ``max_norm_<name>``); ``scope`` says
-    whether the server sends the same vector to every client of a round (``"global"``) or one per client.
+    whether the server sends the same vector to every client of a round (``"global"``) or one per client. ``codec``
+    says which upload codecs a device may apply to it (one of ``edge_client.codecs.RULES``; arrays the server sends
+    always travel as float32): ``exact`` unless the algorithm stays correct with less.
     """
 
     name: str
@@ -126,6 +130,15 @@ class Array:
     max_norm: float = DEFAULT_MAX_NORM
     required: bool = True
     scope: str = "client"
+    codec: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.codec not in RULES:
+            raise ValueError(f"array {self.name!r}: codec {self.codec!r} is not one of {list(RULES)}")
+
+
+#: The update every algorithm uploads beside its contract's arrays: any codec, with error feedback for top-k.
+UPDATE_DELTA = Array("delta", "w_t - w_end, the local update", codec="feedback")
 
 
 def weighting(default: str) -> Setting:
@@ -142,6 +155,8 @@ class Contract:
 
     ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
     normalises each update by the steps its client took, so clients may be told different step counts.
+    ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
+    them but never raise them.
     """
 
     name: str
@@ -153,6 +168,7 @@ class Contract:
     returns_values: tuple[Value, ...] = ()
     uses_alpha: bool = False
     unequal_steps: bool = False
+    adaptive_steps: bool = False
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -166,6 +182,15 @@ class Contract:
         if len(set(names)) != len(names):
             raise ValueError(f"{self.name}: a setting or value is declared twice in {names}")
         object.__setattr__(self, "_by_name", {s.name: s for s in settings})
+
+    @property
+    def uploads(self) -> tuple[Array, ...]:
+        """Every vector a device uploads: the update's ``delta``, then the contract's arrays."""
+        return (UPDATE_DELTA, *self.returns)
+
+    def codec_rule(self, array: str) -> str:
+        """Which codecs ``array`` may be uploaded with (``Array.codec``); ``exact`` for one not declared."""
+        return next((a.codec for a in self.uploads if a.name == array), "exact")
 
     @property
     def all_settings(self) -> tuple[Setting, ...]:
@@ -300,4 +325,14 @@ def settings_markdown(contracts: Iterable[Contract]) -> str:
     for row in settings_rows(contracts):
         cells = [f"`{c}`" if i < 2 else c.replace("|", "\\|") for i, c in enumerate(row)]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def codecs_markdown(contracts: Iterable[Contract]) -> str:
+    """The table of docs/algorithms.md saying which uploaded arrays may travel compressed (a test keeps them equal)."""
+    lines = ["| algorithm | uploaded array | codec rule | travels as |", "|---|---|---|---|"]
+    for c in contracts:
+        for a in c.uploads:
+            if a.name != "delta":  # every algorithm's delta: the same rule, stated once above the table
+                lines.append(f"| `{c.name}` | `{a.name}` | `{a.codec}` | {RULES[a.codec]} |")
     return "\n".join(lines)

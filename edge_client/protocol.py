@@ -1,9 +1,12 @@
 """Wire protocol: typed messages, encode/decode and strict validation.
 
-A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one
-buffer fill and decoding is zero-copy (``np.frombuffer`` views into the payload). Everything a peer sends is
-untrusted: decode bounds the header parse and checks version, type, every field and every array before any
-message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds metrics.
+A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one buffer
+fill and decoding is zero-copy (``np.frombuffer`` views into the payload). A vector may instead travel compressed
+(``edge_client.codecs``: an update's arrays, a round model's difference): its entry's dtype slot then holds the codec's
+wire descriptor and its raw parts follow in its place; decoding reads the parts zero-copy and writes one float32 vector.
+Everything a peer sends is untrusted: decode bounds the header parse and checks version, type, every field and every
+array before any message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds
+metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
+from edge_client import codecs
 from edge_client.topics import CLIENT_ID_RE
 
 PROTOCOL_VERSION = 2  # 2: assignments carry settings (the contract's), momentum, weight decay and the run id
@@ -89,6 +93,16 @@ class DuplicateMessage(ProtocolError):
         self.msg_id = msg_id
 
 
+class CompressedPayloadError(ProtocolError):
+    """A compressed vector that does not decode; its ``reason`` is the codec's own (``codecs.REASONS``)."""
+
+    reason = "codec_payload"
+
+    def __init__(self, where: str, exc: codecs.CodecError) -> None:
+        super().__init__(f"{where}: {exc}")
+        self.reason = exc.reason
+
+
 def new_msg_id() -> str:
     """Random 32-hex-char id; receivers de-duplicate on it (brokers redeliver after a crash)."""
     return uuid.uuid4().hex
@@ -137,6 +151,7 @@ class Assignment:
     run_id: str = ""
     model_sha256: str = ""  # the GlobalModel this round starts from (model_digest of its weights and arrays)
     global_arrays: list[str] = field(default_factory=list)  # the GlobalModel's arrays this client uses
+    codec: str = "fp32"  # the codec this device uploads with (edge_client.codecs)
     task: dict[str, Any] = field(default_factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
@@ -159,6 +174,7 @@ class Update:
     extras: dict[str, Any] = field(default_factory=dict)  # the values the algorithm's contract returns
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     run_id: str = ""
+    codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "update"
 
@@ -272,6 +288,10 @@ class GlobalModel:
 
     Published on the job's round-model topics (retained where the broker keeps it); a device that missed it asks with
     :class:`ModelRequest` and gets it on its own ``down`` topic.
+
+    With ``train.downlink_codec = "int8"`` the broadcast carries, when ``diff_base`` names the previous model, the
+    int8-coded difference from it as ``weights`` (decoded on receipt): a device holding that model adds it and checks
+    the result against ``sha256``; one that cannot asks, and is sent the full model.
     """
 
     round: int
@@ -280,6 +300,7 @@ class GlobalModel:
     weights: np.ndarray
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     run_id: str = ""
+    diff_base: str = ""  # sha256 of the model ``weights`` is the difference from; "" when ``weights`` is the model
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "global_model"
 
@@ -303,6 +324,21 @@ def model_digest(weights: np.ndarray, arrays: dict[str, np.ndarray]) -> str:
         h.update(name.encode() + b"\0")
         h.update(np.ascontiguousarray(arrays[name], DTYPE).data)
     return h.hexdigest()
+
+
+@dataclass
+class ComputeReport:
+    """Client -> server: it trained ``local_steps`` steps for ``round`` without uploading (FedUmf's unselected
+    clients), so the fleet's compute counts them; its wall and CPU seconds as ``Update`` reports them."""
+
+    round: int
+    client_id: str
+    local_steps: int
+    compute_s: float
+    cpu_s: float
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "compute"
 
 
 @dataclass
@@ -364,6 +400,7 @@ Message = (
     | Refusal
     | Ack
     | Resync
+    | ComputeReport
 )
 
 
@@ -429,6 +466,14 @@ def _names(v: Any) -> str | None:
     return None if ok and len(set(v)) == len(v) else "a list of at most 32 distinct names of 1-64 characters"
 
 
+def _codec(v: Any) -> str | None:
+    try:
+        codecs.parse(v)
+    except ValueError:
+        return f"a codec: {codecs.SPEC_HELP}"
+    return None
+
+
 def _text(limit: int) -> Check:
     def check(v: Any) -> str | None:
         return None if isinstance(v, str) and len(v) <= limit else f"a str of at most {limit} characters"
@@ -442,6 +487,7 @@ _TEXT = _str()
 _INT = _int()
 _RUN = _str(_RUN_ID_RE)
 _SHA256 = _str(_SHA256_RE)
+_SHA_OR_EMPTY = _str(re.compile(r"(?:[0-9a-f]{64})?"))
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
 _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
@@ -470,6 +516,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "run": ("run_id", _RUN),
         "sha256": ("model_sha256", _SHA256),
         "globals": ("global_arrays", _names),
+        "codec": ("codec", _codec),
         "task": ("task", _dict),
     },
     "update": {
@@ -516,6 +563,14 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "round": ("round", _NONNEG),
         "run": ("run_id", _RUN),
     },
+    "compute": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "local_steps": ("local_steps", _int(1)),
+        "compute_s": ("compute_s", _float(0.0)),
+        "cpu_s": ("cpu_s", _float(0.0)),
+        "run": ("run_id", _RUN),
+    },
     "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _SHA256), "meta": ("meta", _dict)},
     "evaluate": {
         "round": ("round", _NONNEG),
@@ -553,6 +608,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "model_version": ("model_version", _NONNEG),
         "sha256": ("sha256", _SHA256),
         "run": ("run_id", _RUN),
+        "diff_base": ("diff_base", _SHA_OR_EMPTY),
     },
     "model_request": {
         "round": ("round", _NONNEG),
@@ -579,6 +635,7 @@ _CLASSES: dict[str, type] = {
         Refusal,
         Ack,
         Resync,
+        ComputeReport,
     )
 }
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
@@ -661,12 +718,12 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     _check_fields(t, f)
     if not isinstance(msg.msg_id, str) or not _MSG_ID_RE.fullmatch(msg.msg_id):
         raise InvalidField(f"{t}: msg_id expected a str matching {_MSG_ID_RE.pattern}, got {_short(msg.msg_id)}")
-    blobs: list[tuple[str, str, list[int], memoryview]] = []
+    blobs: list[tuple[str, str, list[int], list[memoryview]]] = []
     if t in _BYTES:
         data = memoryview(msg.data).cast("B")  # type: ignore[union-attr]
         if t == "chunk":
             _check_chunk(f, data.nbytes)
-        blobs.append(("data", _U8, [data.nbytes], data))
+        blobs.append(("data", _U8, [data.nbytes], [data]))
     elif t in _ARRAYS:
         named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)] if t in _VECTOR else []
         extra = msg.arrays if t in _EXTRA_ARRAYS else {}  # type: ignore[union-attr]
@@ -674,8 +731,11 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
             raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
         named += [(f"x:{k}", v, False) for k, v in extra.items()]
         for name, arr, vector in named:
+            if isinstance(arr, codecs.Encoded):  # its parts, raw, in wire order
+                blobs.append((name, arr.wire, [arr.size], [memoryview(p).cast("B") for p in arr.parts]))
+                continue
             a = _as_f4(t, name, arr, vector)
-            blobs.append((name, DTYPE, list(a.shape), memoryview(a.reshape(-1)).cast("B")))
+            blobs.append((name, DTYPE, list(a.shape), [memoryview(a.reshape(-1)).cast("B")]))
     header = {"v": PROTOCOL_VERSION, "t": t, "id": msg.msg_id, "f": f, "a": [[n, d, s] for n, d, s, _ in blobs]}
     try:
         head = msgpack.packb(header, use_bin_type=True, default=_np_scalar)
@@ -684,7 +744,7 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     if len(head) > MAX_HEADER_BYTES:
         raise MessageTooLarge(f"{t}: header expected <= {MAX_HEADER_BYTES} bytes, got {len(head)}")
     # join sizes the result once and copies each part once; unlike bytearray(n) it does not zero-fill first (1.6x).
-    return bytearray().join([head, *(b for *_, b in blobs)])
+    return bytearray().join([head, *(part for *_, parts in blobs for part in parts)])
 
 
 # ---------------------------------------------------------------------------------------------------------- decode
@@ -761,17 +821,26 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
         want = _U8 if t in _BYTES else DTYPE
-        if dtype != want:
-            raise InvalidField(f"{t}: array {name!r} dtype expected {want!r}, got {_short(dtype)}")
+        compressed = (t == "update" or (t == "global_model" and name == vector)) and codecs.is_wire(dtype)
+        if dtype != want and not compressed:
+            raise InvalidField(f"{t}: array {name!r} dtype expected {want!r} or a codec, got {_short(dtype)}")
         if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_int(s) and s >= 0 for s in shape)):
             raise ShapeMismatch(f"{t}: array {name!r} shape expected <= 32 ints >= 0, got {_short(shape)}")
-        if (name in (vector, "data")) and len(shape) != 1:
+        if (name in (vector, "data") or compressed) and len(shape) != 1:
             raise ShapeMismatch(f"{t}: array {name!r} expected 1-D, got shape {shape}")
-        itemsize = 1 if t in _BYTES else 4
-        # zeros count as 1: an empty array with a huge other dimension would make numpy's reshape fail in decode
-        if math.prod(max(s, 1) for s in shape) * itemsize > size:
+        if compressed:
+            try:
+                nbytes = bound = codecs.layout(dtype, shape[0]).nbytes
+            except codecs.CodecError as exc:
+                raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
+        else:
+            itemsize = 1 if t in _BYTES else 4
+            nbytes = math.prod(shape) * itemsize
+            # zeros count as 1: an empty array with a huge other dimension would make numpy's reshape fail in decode
+            bound = math.prod(max(s, 1) for s in shape) * itemsize
+        if bound > size:
             raise ShapeMismatch(f"{t}: array {name!r} shape {_short(shape)} is larger than the {size}-byte frame")
-        total += math.prod(shape) * itemsize
+        total += nbytes
     need = vector or ("data" if t in _BYTES else None)
     if need is not None and need not in seen:
         raise MissingField(f"{t}: missing field {need!r}")
@@ -793,22 +862,36 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
     t, f = header["t"], header["f"]
     kwargs = {attr: f[key] for key, (attr, _) in _SPECS[t].items() if key in f}
     kwargs["msg_id"] = header["id"]
+    compressed = {name: dtype for name, dtype, _ in header["a"] if t in _VECTOR and dtype != DTYPE}
+    expanded = sum(4 * shape[0] for name, _, shape in header["a"] if name in compressed)
+    if expanded > max_bytes:  # a few top-k entries may claim a vector of any length: bound what decoding allocates
+        raise MessageTooLarge(f"{t}: compressed arrays expand to {expanded} bytes, expected <= {max_bytes}")
     extra: dict[str, np.ndarray] = {}
-    for name, _, shape in header["a"]:
-        count = math.prod(shape)
+    for name, dtype, shape in header["a"]:
         if t in _BYTES:
+            count = math.prod(shape)
             kwargs["data"] = memoryview(payload)[pos : pos + count]
             pos += count
             continue
-        arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
-        pos += 4 * count
-        if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
-            bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-            raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
+        if name in compressed:
+            try:
+                arr = codecs.decode_wire(dtype, shape[0], payload, pos)  # finite by construction, or refused
+            except codecs.CodecError as exc:
+                raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
+            pos += codecs.layout(dtype, shape[0]).nbytes
+        else:
+            count = math.prod(shape)
+            arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
+            pos += 4 * count
+            if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
         if name[:2] == "x:":
             extra[name[2:]] = arr
         else:
             kwargs[name] = arr
     if t in _EXTRA_ARRAYS:
         kwargs["arrays"] = extra
+    if t == "update":
+        kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
     return _CLASSES[t](**kwargs)

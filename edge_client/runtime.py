@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -23,6 +23,7 @@ from torch import nn
 from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.compression import Uplink
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
@@ -31,6 +32,7 @@ from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
 from edge_client.protocol import (
     Ack,
     Assignment,
+    ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
@@ -68,6 +70,14 @@ LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 TrainFn = Callable[[FlatModel, np.ndarray, ArrayDataset, BatchSampler, Plan, ClientAlgorithm], TrainResult]
 
 
+class Stateful(Protocol):
+    """State kept in ``state_dir`` across restarts: an algorithm's, or the upload residuals."""
+
+    def state_dict(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None: ...
+
+
 class EdgeClient:
     """One device: its identity, its local data, and one MQTT link to the broker."""
 
@@ -86,11 +96,13 @@ class EdgeClient:
         holdout: ArrayDataset | None = None,
         allowed: AllowedCode = NOTHING,
         model_wait_s: float = DEFAULT_WAIT_S,
+        device_class: str | None = None,
     ) -> None:
         """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
         model or task factory the server names may be imported from (``edge_client.factories``); ``model_wait_s``: how
         long an assignment waits for its round's model before the server is asked for it."""
         self.client_id = validate_client_id(client_id)
+        self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
         self.holdout = holdout
         self.allowed = allowed
@@ -116,6 +128,8 @@ class EdgeClient:
         self._sampler_key: tuple[int, int] | None = None
         self._algorithms: dict[str, ClientAlgorithm] = {}
         self._last_upload: dict[str, float] = {}
+        self.uplink = Uplink(self.client_id)  # top-k residuals survive a restart like an algorithm's state
+        self._load_state("uplink", self.uplink)
         self.models = ModelCache()
         self.model_wait_s = model_wait_s
         self._waiting: Waiting | None = None
@@ -163,7 +177,7 @@ class EdgeClient:
         return Hello(
             client_id=self.client_id,
             num_samples=len(self.dataset),
-            device=device.device_info(),
+            device=device.device_info() | ({"device_class": self.device_class} if self.device_class else {}),
             model=model,
             eval_samples=len(self.holdout) if self.holdout is not None else 0,
         )
@@ -247,14 +261,18 @@ class EdgeClient:
         return True
 
     def _take_model(self, model: GlobalModel) -> None:
-        """Keep a verified model; serve the assignment waiting for it, or report one whose model does not verify."""
+        """Keep a verified model; serve the assignment waiting for it, ask for the full model when a difference gave
+        none, or report one whose full model does not verify."""
         ok = self.models.add(model)
         waiting = self._waiting
         if waiting is not None and waiting.assignment.model_sha256 == model.sha256:
-            self._waiting = None
             if ok:
+                self._waiting = None
                 self._serve(waiting.assignment)
+            elif model.diff_base:
+                self._check_waiting()  # asks for the full model now, unless it asked already
             else:
+                self._waiting = None
                 a = waiting.assignment
                 detail = ValueError(f"model {model.sha256} does not hash to it")
                 self._fail(a.round, a.run_id, "model_hash", detail, a.deadline_s)
@@ -265,10 +283,11 @@ class EdgeClient:
         if waiting is None:
             return
         a = waiting.assignment
-        due = waiting.due(time.monotonic(), self.model_wait_s)
+        # a difference this device could not use will not come again: ask at once
+        due = waiting.due(time.monotonic(), 0.0 if a.model_sha256 == self.models.missed else self.model_wait_s)
         if due == "request":
             waiting.requested = True
-            log.warning("round %d: model %s not received; asking the server for it", a.round, a.model_sha256[:12])
+            log.warning("round %d: model %s not received or rebuilt; asking the server", a.round, a.model_sha256[:12])
             request = ModelRequest(a.round, self.client_id, a.model_sha256, run_id=a.run_id)
             self.link.publish(self.topics.up(self.client_id), encode(request))
         elif due == "give_up":
@@ -351,16 +370,19 @@ class EdgeClient:
         """One instance per algorithm, its state restored from ``state_dir`` after a restart."""
         if name not in self._algorithms:
             algorithm = self._algorithms[name] = client_algorithm(name)
-            path = self._state_path(name)
-            if path is not None and path.exists():
-                with np.load(path) as saved:
-                    algorithm.load_state_dict({k: saved[k] for k in saved.files})
-                log.info("restored %s state from %s", name, path)
+            self._load_state(name, algorithm)
         return self._algorithms[name]
 
-    def _save_state(self, name: str, algorithm: ClientAlgorithm) -> None:
+    def _load_state(self, name: str, holder: Stateful) -> None:
+        path = self._state_path(name)
+        if path is not None and path.exists():
+            with np.load(path) as saved:
+                holder.load_state_dict({k: saved[k] for k in saved.files})
+            log.info("restored %s state from %s", name, path)
+
+    def _save_state(self, name: str, holder: Stateful) -> None:
         """Written atomically after every round, so a restart never finds half a file."""
-        path, state = self._state_path(name), algorithm.state_dict()
+        path, state = self._state_path(name), holder.state_dict()
         if path is None or not state:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -384,10 +406,10 @@ class EdgeClient:
             assignment = self.models.complete(assignment)
             model = self._model_for(assignment.model, self._task_for(assignment.task))
             algorithm = self._algorithm_for(assignment.algorithm)
-            if assignment.weights is None or model.size != assignment.weights.size:
+            weights = assignment.weights
+            if weights is None or model.size != weights.size:
                 raise ValueError(
-                    f"the server's model has {getattr(assignment.weights, 'size', 0)} parameters, this client's "
-                    f"{model.size}"
+                    f"the server's model has {getattr(weights, 'size', 0)} parameters, this client's {model.size}"
                 )
             plan = plan_for(assignment, algorithm, model.size)
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
@@ -401,14 +423,17 @@ class EdgeClient:
         bytes_down += self.link.take_bytes_in(self.topics.round_model)
         before = device.snapshot()
         try:
-            result = self.train(model, assignment.weights, self.dataset, self._sampler, plan, algorithm)
+            result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
             self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
             return
-        self._save_state(assignment.algorithm, algorithm)
         after = device.snapshot()
-        if not assignment.upload:
+        if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
+            self._save_state(assignment.algorithm, algorithm)
+            report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,
+                                   result.cpu_s, run_id=assignment.run_id)  # fmt: skip
+            self.link.publish(self.topics.up(self.client_id), encode(report))
             self._mark_served(assignment)
             log.info(
                 "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",
@@ -419,6 +444,17 @@ class EdgeClient:
             return
 
         t0 = time.perf_counter()
+        try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved
+            delta, arrays = self.uplink.encode(assignment, algorithm, result.delta, result.arrays)
+        except ValueError as exc:  # e.g. a diverged round's NaN, which no lossy codec carries
+            delta, arrays, encode_error = result.delta, result.arrays, exc
+        else:
+            encode_error = None
+        self._save_state(assignment.algorithm, algorithm)
+        self._save_state("uplink", self.uplink)
+        if encode_error is not None:
+            self._fail(assignment.round, assignment.run_id, "encode", encode_error, assignment.deadline_s)
+            return
         update = Update(
             round=assignment.round,
             model_version=assignment.model_version,
@@ -428,7 +464,7 @@ class EdgeClient:
             compute_s=result.compute_s,
             cpu_s=result.cpu_s,
             train_loss=result.train_loss,
-            delta=result.delta,
+            delta=delta,
             metrics={
                 "threads": self.threads,
                 "before": before,
@@ -438,7 +474,7 @@ class EdgeClient:
                 "last_upload": self._last_upload,
             },
             extras=result.extras,
-            arrays=result.arrays,
+            arrays=arrays,
             run_id=assignment.run_id,
         )
         payload = encode(update)

@@ -7,8 +7,10 @@ trained on a model version the round never sent (``model_version``), claims more
 (``steps``), claims another sample count than its client registered with (``num_samples``: data-size weights come from
 the registration, never from an update), or carries a ``delta`` or any other array that is mis-shaped (``shape``), not
 finite (``non_finite``) or above its norm bound (``norm``: ``train.max_update_norm`` for ``delta``, ``max_norm_<array>``
-for the contract's arrays), or a value its contract does not declare, lacks or bounds
-(``invalid_field``/``missing_field``)."""
+for the contract's arrays), a value its contract does not declare, lacks or bounds
+(``invalid_field``/``missing_field``), or an array compressed otherwise than its device was told and its contract
+allows (``codec``: float32 is always accepted). Arrays are judged as decoded: a compressed payload that does not
+decode never gets this far."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_client.codecs import FP32, CodecSpec
 from edge_client.contract import Contract, array_problems
 from edge_client.protocol import (
     DuplicateMessage,
@@ -53,8 +56,14 @@ class WrongSampleCount(InvalidField):
     reason = "num_samples"
 
 
+class WrongCodec(InvalidField):
+    """An array compressed with another codec than its device was told, or one its algorithm's contract forbids."""
+
+    reason = "codec"
+
+
 _BY_REASON: dict[str, type[ProtocolError]] = {
-    c.reason: c for c in (InvalidField, MissingField, ShapeMismatch, NonFiniteValues, AbsurdNorm)
+    c.reason: c for c in (InvalidField, MissingField, ShapeMismatch, NonFiniteValues, AbsurdNorm, WrongCodec)
 }
 
 
@@ -70,6 +79,7 @@ class RoundState:
     assigned_steps: dict[str, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # client -> the reason it reported for not serving
     deadline_s: float = 0.0
+    codecs: dict[str, CodecSpec] = field(default_factory=dict)  # client -> the upload codec it was told (else fp32)
 
 
 class Admission:
@@ -108,6 +118,18 @@ class Admission:
         if problems and problems[0][0] == "norm":
             problems = [("norm", problems[0][1] + " (train.max_update_norm)")]
         problems += self.contract.check_returned(self.params, update.extras, update.arrays, self.num_params)
+        problems += self.codec_problems(sender, update, state.codecs.get(sender, FP32))
         if problems:
             reason, text = problems[0]
             raise _BY_REASON[reason](f"{sender}: {text}")
+
+    def codec_problems(self, sender: str, update: Update, told: CodecSpec) -> list[tuple[str, str]]:
+        """Arrays that arrived compressed otherwise than ``told`` and their declared rule make them."""
+        problems = []
+        for name, wire in update.codecs.items():
+            rule = self.contract.codec_rule(name)
+            want = told.for_rule(rule).wire(self.num_params)
+            if wire != want:
+                text = f"{name!r} arrived as {wire}; told {told} and declared codec={rule!r}, it must be {want} or <f4"
+                problems.append(("codec", text))
+        return problems

@@ -14,6 +14,7 @@ from edge_client.data import ArrayDataset
 from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
+from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
 from server.experiments.datasets import DatasetBundle, load_dataset, split_root
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
@@ -82,6 +83,7 @@ def make_orchestrator(
     root: ArrayDataset | None = None,
     observer: RoundObserver | None = None,
     extra: dict[str, Any] | None = None,
+    times: DeviceTimes | None = None,
 ) -> Orchestrator:
     """The server for ``bundle``: the configured model, evaluated on the data set's test split (or, without a data
     set, by the devices)."""
@@ -98,4 +100,5 @@ def make_orchestrator(
         summary_extra={**summary_extra, **(extra or {})},
         root=root,
         link=link,
+        times=times,
     )

@@ -28,8 +28,13 @@ DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
     "idx directory (docs/datasets.md)"
 )
+FLEET_HELP = (
+    "simulated device classes in client order, e.g. pi5:2,pi4:5,pi3:3 (edge-server fleet list; --clients follows): "
+    "each client process under its class's CPU quota (a cgroup), in-process its compute scaled by its profile"
+)
 PARTITION_HELP = (
-    "iid, dirichlet:PHI, taco-groups, fedveca-case:N (N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
+    "iid, dirichlet:PHI (dirichlet:PHI:balanced adds NIID-Bench's balancing step), taco-groups, fedveca-case:N "
+    "(N=1-3), drag-q:Q, shards:K, unbalanced:SIGMA or natural"
 )
 DASHBOARD_HELP = (
     "serve a live dashboard of the run at HOST:PORT, e.g. 127.0.0.1:8050 (port 0: a free one); an address that is "
@@ -59,6 +64,12 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--broker": ("broker__url", str, "use this broker (mqtt://HOST:PORT or mqtts://...) instead of starting one"),
     "--username": ("broker__username", str, "broker username of the server"),
     "--ca-file": ("broker__ca_file", str, "CA certificate for an mqtts:// broker"),
+    "--codec": (
+        "train__codec",
+        str,
+        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (README: Compression); with "
+        "train.codec_policy = 'link' in the config, the codec of devices whose link is not measured yet",
+    ),
     "--max-packet-size": (
         "broker__max_packet_size",
         int,
@@ -151,11 +162,12 @@ def _broker_for(config: RunConfig, out_dir: Path, devices: list[str]) -> Iterato
 
 
 def _report(summary: dict[str, Any], out_dir: Path, console: Any) -> None:
-    from server.progress import clients_table, summary_table
+    from server.progress import classes_table, clients_table, summary_table
 
     console.print(summary_table(summary))
-    console.print(clients_table(summary["per_client"]))
-    console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png and server.log")
+    console.print(classes_table(summary["per_class"]))
+    console.print(clients_table(summary["per_client"], summary["rounds_missed"]))
+    console.print(f"wrote {out_dir}/metrics.jsonl, summary.json, report.png, timeline.png and server.log")
 
 
 def _print_partition(bundle: Any, scheme: str, table: str) -> None:
@@ -209,6 +221,57 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from server.experiments import fleet
+
+    if args.fleet_command == "list":
+        known = fleet.profiles(load_config(args.config).fleet.profiles)
+        console = Console()
+        console.print(fleet_table(known))
+        console.print(f"CPU share: of one core of this machine. Reference: {fleet.REFERENCE_SOURCE}.", highlight=False)
+        for name, p in sorted(known.items()):
+            console.print(f"{name}: {p.source}", highlight=False)
+        return 0
+    from edge_client.speed import DEFAULT_MODELS, benchmark
+
+    if args.model not in DEFAULT_MODELS:
+        raise ValueError(f"--model {args.model!r}: choose one of {', '.join(DEFAULT_MODELS)} (edge-client benchmark's)")
+    links = (args.uplink_mbps, args.downlink_mbps) if args.uplink_mbps and args.downlink_mbps else None
+    if (args.uplink_mbps is None) != (args.downlink_mbps is None):
+        raise ValueError("give both --uplink-mbps and --downlink-mbps, or neither (the shipped profile's rates)")
+    print(f"measuring this machine: {args.model}, FedAvg, 100 steps of batch 64 on one thread, {args.repeats} times")
+    [result] = benchmark({args.model: DEFAULT_MODELS[args.model]}, ["fedavg"], repeats=args.repeats, inference=False)
+    host = result["cpu_s_per_100"]
+    profile = fleet.calibrated(args.name, args.seconds_per_100_steps, host, links)
+    print(
+        f"this machine: {host:.3f} CPU s per 100 steps (wall {result['s_per_100']:.3f} s); a device that needs "
+        f"{args.seconds_per_100_steps:g} s is {profile.cpu_share:g} of one core here"
+        + (" (capped at 1: it is faster than one core here)" if host > args.seconds_per_100_steps else "")
+        + ". Add to your configuration:\n"
+    )
+    print(fleet.profile_toml(profile))
+    return 0
+
+
+def fleet_table(profiles: dict[str, Any]) -> Any:
+    """``edge-server fleet list``: every profile with where its numbers come from."""
+    from rich.table import Table
+
+    from server.experiments.fleet import REFERENCE_MODEL, REFERENCE_S_PER_100
+
+    table = Table(title="device profiles (sources below)")
+    for col in ("class", "CPU share", f"s / 100 steps of {REFERENCE_MODEL}", "uplink Mbit/s", "downlink Mbit/s"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for name, p in sorted(profiles.items()):
+        table.add_row(
+            name, f"{p.cpu_share:.4g}", f"{REFERENCE_S_PER_100 / p.cpu_share:.3g}", f"{p.uplink_mbps:g}",
+            f"{p.downlink_mbps:g}",
+        )  # fmt: skip
+    return table
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from server.assembly import make_orchestrator, run_target_of, server_data
     from server.progress import RoundProgress
@@ -243,6 +306,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         suite.seeds = [int(s) for s in args.seeds.split(",")]
     if args.algorithms:
         suite.algorithms = [a for a in args.algorithms.split(",") if a]
+    if args.fleet:
+        suite.use_fleet(args.fleet)
     out_dir = Path(args.out or f"runs/bench-{suite.name}")
     _setup_logging(out_dir, args.verbose, log_name="bench.log")
     run_suite(suite, out_dir, args.mode)
@@ -358,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                 PARTITION_HELP,
             ),
             "--threads": ("clients__threads", int, "torch threads per client process"),
+            "--fleet": ("fleet__devices", str, FLEET_HELP),
         },
     )
     sim.add_argument(
@@ -419,8 +485,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="output directory (default runs/bench-<suite>)")
     bench.add_argument("--seeds", help="comma-separated seeds instead of the suite's")
     bench.add_argument("--algorithms", help="comma-separated algorithms instead of the suite's")
+    bench.add_argument("--fleet", help=f"instead of the suite's fleet: {FLEET_HELP}")
     bench.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     bench.set_defaults(func=cmd_bench)
+
+    fleet = sub.add_parser(
+        "fleet",
+        help="device profiles for simulated fleets: list them, or calibrate one from a real device's benchmark",
+        description="A profile is a CPU share of one core of this machine plus uplink and downlink rates; "
+        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (README: heterogeneous fleets).",
+    )
+    fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
+    listing = fleet_sub.add_parser("list", help="the shipped profiles (and a config's [fleet.profiles.NAME])")
+    listing.add_argument("--config", help="also list this configuration's [fleet.profiles.NAME] tables")
+    calibrate = fleet_sub.add_parser(
+        "calibrate",
+        help="turn a device's edge-client benchmark figure into a profile for this machine",
+        description="Measure this machine's CPU seconds per 100 local steps of MODEL (FedAvg, batch 64, one thread: "
+        "edge-client benchmark's defaults) and print the [fleet.profiles.NAME] table of a device that needs "
+        "--seconds-per-100-steps for the same.",
+    )
+    calibrate.add_argument(
+        "--seconds-per-100-steps", type=float, required=True, help="the device's figure from edge-client benchmark"
+    )
+    calibrate.add_argument("--model", default="cnn-mnist", help="the model it was measured on (default cnn-mnist)")
+    calibrate.add_argument("--name", default="mydevice", help="the profile's name (a shipped one is replaced)")
+    calibrate.add_argument("--uplink-mbps", type=float, help="the device's uplink (default: the shipped profile's)")
+    calibrate.add_argument("--downlink-mbps", type=float, help="the device's downlink (default: the shipped profile's)")
+    calibrate.add_argument("--repeats", type=int, default=3, help="measurements of this machine (default 3)")
+    fleet.set_defaults(func=cmd_fleet)
 
     dash = sub.add_parser(
         "dashboard",

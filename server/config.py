@@ -9,14 +9,18 @@
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
 [eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
              deadline_s, holdout (simulated devices)
-[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, store_ram_mb,
+             steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s, codec_ladder,
+             downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
+[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 import typing
@@ -26,7 +30,9 @@ from typing import Any
 
 import tomllib
 
+from edge_client import codecs
 from edge_client.algorithms import contract_of
+from server.strategies.store import DEFAULT_RAM_BYTES
 
 
 class ConfigError(ValueError):
@@ -52,9 +58,10 @@ class ClientsSection:
     min_clients: int = 0  # clients to wait for before round 1 (0: all of `count`)
     fraction: float = 1.0  # C: fraction of available clients selected per round
     register_timeout_s: float = 300.0
-    round_deadline_s: float = 120.0  # the longest a round waits for updates (round 1's deadline when derived)
-    # > 0: from round 2 on, the deadline is deadline_factor x the previous round's slowest measured compute time plus
-    # deadline_margin_s (transfer), never below deadline_floor_s nor above round_deadline_s; 0: always the fixed one
+    round_deadline_s: float = 120.0  # the longest a round waits for updates (the deadline while one is unmeasured)
+    # > 0: the deadline is deadline_factor x the longest time a selected client is predicted to need (its own last
+    # measured seconds per step x the steps it is told, plus its transfers: server/deadlines.py) plus
+    # deadline_margin_s, never below deadline_floor_s nor above round_deadline_s; 0: always the fixed one
     deadline_factor: float = 0.0
     deadline_margin_s: float = 5.0
     deadline_floor_s: float = 10.0
@@ -95,6 +102,32 @@ class TrainSection:
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = 1e4
+    # MiB of a round's updates that TACO, FoolsGold, DRAG's first round and the TACO-tailored variants keep in RAM
+    # until all are in; the rest go to a memory-mapped file in the run directory (0: all of them)
+    store_ram_mb: int = DEFAULT_RAM_BYTES >> 20
+    # "deadline": each client gets the most local steps it can finish in round_budget_s from its measured speed, in
+    # [tau_min, tau_max] (server/steps_policy.py); only for algorithms whose contract tolerates unequal steps
+    steps_policy: str = "fixed"
+    round_budget_s: float = 0.0
+    tau_min: int = 1
+    tau_max: int = 0  # 0: train.local_steps
+    # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
+    # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
+    # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
+    codec: str = "fp32"
+    codec_policy: str = "fixed"
+    upload_budget_s: float = 0.0
+    codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
+    # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
+    downlink_codec: str = "fp32"
+
+
+@dataclass
+class FleetSection:
+    """A simulated fleet of device classes (server/experiments/fleet.py); empty: every client is this machine."""
+
+    devices: str = ""  # "pi5:2,pi4:5,pi3:3": classes in client order (clients.count follows when not given)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [fleet.profiles.NAME]: add or replace
 
 
 @dataclass
@@ -117,6 +150,7 @@ class RunConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
+    fleet: FleetSection = field(default_factory=FleetSection)
     eval: EvalSection = field(default_factory=EvalSection)
     model: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
@@ -158,6 +192,29 @@ class RunConfig:
             ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
+            ("train.store_ram_mb", self.train.store_ram_mb >= 0, "MiB >= 0 (0: every stored update goes to the file)"),
+            ("train.steps_policy", self.train.steps_policy in ("fixed", "deadline"), "'fixed' or 'deadline'"),
+            ("train.round_budget_s", self.train.round_budget_s >= 0, "seconds >= 0"),
+            ("train.tau_min", self.train.tau_min >= 1, "an integer >= 1"),
+            (
+                "train.tau_max",
+                self.train.tau_max == 0 or self.train.tau_max >= self.train.tau_min,
+                f"0 (train.local_steps) or an integer >= train.tau_min ({self.train.tau_min})",
+            ),
+            ("train.codec_policy", self.train.codec_policy in ("fixed", "link"), "'fixed' or 'link'"),
+            (
+                "train.upload_budget_s",
+                self.train.upload_budget_s > 0
+                if self.train.codec_policy == "link"
+                else self.train.upload_budget_s >= 0,
+                "seconds > 0 when train.codec_policy = 'link' (the longest an upload should take)",
+            ),
+            ("train.codec_ladder", bool(self.train.codec_ladder), "a non-empty list of codecs, least lossy first"),
+            (
+                "train.downlink_codec",
+                self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
+                "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
+            ),
             ("eval.mode", self.eval.mode in ("", "server", "clients", "both"), '"server", "clients" or "both"'),
             ("eval.every", self.eval.every >= 1, "an integer >= 1"),
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
@@ -175,6 +232,12 @@ class RunConfig:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
                 raise ConfigError(f"{key} must be {expected}; got {value!r}")
+        named = [("train.codec", self.train.codec), ("train.downlink_codec", self.train.downlink_codec)]
+        for key, text in [*named, *(("train.codec_ladder", c) for c in self.train.codec_ladder)]:
+            try:
+                codecs.parse(text)
+            except ValueError as exc:
+                raise ConfigError(f"{key}: {exc}") from None
         for name, params in {self.train.algorithm: {}, **self.algorithm}.items():
             try:
                 contract_of(name).resolve(params)
@@ -185,7 +248,31 @@ class RunConfig:
                     else (f"[algorithm.{name}]")
                 )
                 raise ConfigError(f"{where}: {exc}") from None
+        self._validate_steps_policy()
+        self._validate_fleet()
         return self
+
+    def _validate_steps_policy(self) -> None:
+        from server.steps_policy import refusal
+
+        why = refusal(self.train)
+        if why:
+            raise ConfigError(why)
+
+    def _validate_fleet(self) -> None:
+        from server.experiments.fleet import fleet_size, profiles
+
+        try:
+            profiles(self.fleet.profiles)
+            if self.fleet.devices:
+                size = fleet_size(self.fleet.devices, self.fleet.profiles)
+                if size != self.clients.count:
+                    raise ValueError(
+                        f"it names {size} devices but clients.count = {self.clients.count}; make them agree (leave "
+                        "clients.count out and it follows the fleet)"
+                    )
+        except ValueError as exc:
+            raise ConfigError(f"fleet.devices = {self.fleet.devices!r}: {exc}") from None
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
@@ -223,6 +310,13 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
             raise ConfigError(f"[{name}] must be a table of keys, got {values!r}")
         if name in ("model", "task"):
             setattr(config, name, dict(values))
+        elif name == "fleet":
+            fleet = dict(values)
+            tables = fleet.pop("profiles", {})
+            if not isinstance(tables, dict):
+                raise ConfigError("[fleet.profiles.NAME] must be tables of cpu_share, uplink_mbps, downlink_mbps")
+            config.fleet.profiles = {k: v for k, v in tables.items()}
+            _fill(name, config.fleet, fleet)
         elif name == "algorithm":
             for algo, params in values.items():
                 if not isinstance(params, dict):
@@ -230,7 +324,17 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
             config.algorithm = {k: dict(v) for k, v in values.items()}
         else:
             _fill(name, getattr(config, name), values)
+    follow_fleet(config, "count" in data.get("clients", {}))
     return config.validate()
+
+
+def follow_fleet(config: RunConfig, count_given: bool) -> None:
+    """``clients.count`` follows ``fleet.devices`` when it was not given itself."""
+    from server.experiments.fleet import fleet_size
+
+    if config.fleet.devices and not count_given:
+        with contextlib.suppress(ValueError):  # validate() reports it, naming the key
+            config.clients.count = fleet_size(config.fleet.devices, config.fleet.profiles)
 
 
 def load_config(path: str | Path | None) -> RunConfig:
@@ -257,4 +361,6 @@ def override(config: RunConfig, **flags: Any) -> RunConfig:
             continue
         section, key = name.split("__")
         _fill(section, getattr(config, section), {key: value})
+    if flags.get("fleet__devices") is not None:
+        follow_fleet(config, flags.get("clients__count") is not None)
     return config.validate()

@@ -10,9 +10,10 @@ arrays meant for that client alone. Nothing depends on the retained copy (an eja
 across nodes, docs/scaling.md): a device that did not get the model asks (``ModelRequest``) and is sent it on its
 own topic, once per round. The server's egress is counted here, per round.
 
-The model message is built in one place, ``Distribution.model_message``; a downlink codec (issue 18: an int8 model
-difference for a device known to hold the previous version) connects there and in ``split_round``, which decides what
-each client's own assignment carries.
+With ``train.downlink_codec = "int8"`` (``server.downlink``) the broadcast carries the int8-coded difference from the
+previous version instead, and the model it names is the one devices rebuild from it: a device that holds the previous
+version applies the difference and checks the digest; one that does not, or whose check fails, asks, and is sent the
+full model on its own topic. The broadcast is counted once in the round's egress.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from edge_client.protocol import (
 )
 from edge_client.topics import Topics
 from edge_client.transport import Link
+from server.downlink import Downlink
 
 log = logging.getLogger("edgefl.server")
 
@@ -75,20 +77,28 @@ def split_round(
 class Distribution:
     """Publishes each round's model once and the assignments that name it; answers devices that missed it."""
 
-    def __init__(self, link: Link, topics: Topics, contract: Contract) -> None:
+    def __init__(self, link: Link, topics: Topics, contract: Contract, downlink: Downlink | None = None) -> None:
         self.link = link
         self.topics = topics
         self.contract = contract
-        self.current: GlobalModel | None = None  # the model of the round in progress
+        self.downlink = downlink or Downlink("fp32", 0)  # fp32: the broadcast is the model itself
+        self.current: GlobalModel | None = None  # the model of the round in progress (as devices hold it)
+        self.message: GlobalModel | None = None  # what broadcasts it (the model, or its difference from the last)
         self.bytes_out = 0  # since the last take_bytes_out()
-        self._payload: tuple[str, bytes | bytearray] = ("", b"")  # a model's sha256 and its frame, encoded once
+        self._payload: tuple[str, bytes | bytearray] = ("", b"")  # a message's id and its frame, encoded once
         self._published = ""  # sha256 of the model last broadcast by this server
-        self._frames = 0  # most retained frames published: cleared at the end
+        self._frames = 0  # frames of the last broadcast, retained: cleared at the end
         self._answered: set[str] = set()  # clients sent the current model on request this round
+        self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
+        self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
 
     def split(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, Assignment]:
-        """``split_round``, the model kept as ``current`` (what a device that missed it is sent)."""
-        self.current, slim = split_round(self.contract, round_, version, assignments)
+        """``split_round``, the model kept as ``current`` (what a device that missed it is sent) and its broadcast
+        as ``message``; the assignments name the model as devices hold it."""
+        start, slim = split_round(self.contract, round_, version, assignments)
+        self.current, self.message = self.downlink.publish(start)
+        if self.current.sha256 != start.sha256:
+            slim = {cid: dataclasses.replace(a, model_sha256=self.current.sha256) for cid, a in slim.items()}
         return slim
 
     def send(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, tuple[Assignment, int]]:
@@ -98,26 +108,30 @@ class Distribution:
         if not assignments:
             return {}
         slim = self.split(round_, version, assignments)
-        assert self.current is not None
-        if self.current.sha256 != self._published:
-            self._broadcast(self.current)
+        assert self.current is not None and self.message is not None
+        new = self.current.sha256 != self._published
+        self.model_bytes = self._broadcast(self.message) if new else 0
+        self.broadcast = ("difference" if self.message.diff_base else "model") if new else ""
         return {cid: (a, self._publish(self.topics.down(cid), encode(a))) for cid, a in slim.items()}
 
-    def _broadcast(self, model: GlobalModel) -> None:
+    def _broadcast(self, model: GlobalModel) -> int:
         """Frame ``i`` retained on its own topic: one topic would keep only the last chunk of a chunked model."""
         payload, self._published = self.model_message(model), model.sha256
         size = self.link.chunk_size()
         frames = chunking.split(payload, size) if size else [payload]
         for i, frame in enumerate(frames):
             self._publish(self.topics.round_model_frame(i), frame, retain=True, chunked=False)
-        self._frames = max(self._frames, len(frames))
-        log.info("round %d: model %s broadcast once: %d bytes in %d frames", model.round, model.sha256[:12],
+        self._clear(len(frames))  # a shorter message (a difference) leaves no older frames retained behind it
+        self._frames = len(frames)
+        what = f"difference from {model.diff_base[:12]}" if model.diff_base else "model"
+        log.info("round %d: %s %s broadcast once: %d bytes in %d frames", model.round, what, model.sha256[:12],
                  len(payload), len(frames))  # fmt: skip
+        return len(payload)
 
     def model_message(self, model: GlobalModel) -> bytes | bytearray:
-        """The encoded model message, built once per version (the broadcast and every answer to a request)."""
-        if self._payload[0] != model.sha256:
-            self._payload = (model.sha256, encode(model))
+        """The encoded message, built once (the broadcast; the full model for every answer to a request)."""
+        if self._payload[0] != model.msg_id:
+            self._payload = (model.msg_id, encode(model))
         return self._payload[1]
 
     def answer(self, sender: str, request: ModelRequest, told: Collection[str]) -> None:
@@ -141,9 +155,12 @@ class Distribution:
 
     def clear(self) -> None:
         """Remove the retained frames at the end of a run: no device needs that model any more."""
-        for i in range(self._frames):
-            self._publish(self.topics.round_model_frame(i), b"", retain=True, chunked=False)
+        self._clear(0)
         self._frames = 0
+
+    def _clear(self, first: int) -> None:
+        for i in range(first, self._frames):
+            self._publish(self.topics.round_model_frame(i), b"", retain=True, chunked=False)
 
     def take_bytes_out(self) -> int:
         """Bytes the server published through this module since the last call (one round's egress)."""

@@ -13,12 +13,16 @@ round; a client whose last will says it went offline, or that reports it cannot 
 for. Every update passes ``server.admission`` (the round's bookkeeping and the algorithm's contract) before it can
 reach the strategy; what is refused is logged with the client id and counted by reason, and the round goes on. A
 sender may hold at most the bytes of one legitimate update of this round in partial chunked messages and in the
-link's queue, so a flood from one device cannot crowd out another's upload. An aggregate that is still not finite
-drops the round (the model stays as it was): a run never ends because of what a client sent.
+link's queue, so a flood from one device cannot crowd out another's upload. An admitted update is folded into the
+strategy's running sums at once and only its scalars are kept, so the server does not hold a round's updates. An
+aggregate that is still not finite drops the round (the model stays as it was, the strategy's state is restored): a
+run never ends because of what a client sent.
 
-The deadline is ``clients.round_deadline_s``, or derived from the previous round's slowest compute time
-(``clients.deadline_factor``); each round's is recorded in its metrics row. After every round the model and the
-strategy's state are checkpointed (``server.checkpoint``), so a restarted server resumes.
+The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
+(``clients.deadline_factor``, ``server.deadlines``); the steps each client is told may be fitted to a round budget
+(``train.steps_policy``, ``server.steps_policy``). Each round's deadline and every prediction are recorded in its
+metrics row. After every round the model and the strategy's state are checkpointed (``server.checkpoint``), so a
+restarted server resumes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import math
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +46,7 @@ from edge_client.data import ArrayDataset
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
+    ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
@@ -63,17 +69,24 @@ from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import Admission, RoundState, WrongSampleCount
 from server.checkpoint import Checkpoint, pack_state, unpack_state
+from server.codec_policy import CodecPolicy
+from server.compute_reports import ComputeReports
 from server.config import RunConfig
+from server.deadlines import DeviceTimes, round_deadline
 from server.delivery import Delivery
 from server.distribution import Distribution
+from server.downlink import Downlink
 from server.evaluation import EvaluationWorker, Evaluator, TestResult
 from server.federated_eval import EvalRound, FederatedEvaluation
+from server.fleet_summary import device_class, fleet_summary, parallel_round_s
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
+from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
-from server.strategies.base import assignment_summary
+from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
+from server.timeline import plot_timeline
 
 log = logging.getLogger("edgefl.server")
 
@@ -134,6 +147,7 @@ class Orchestrator:
         summary_extra: dict[str, Any] | None = None,
         root: ArrayDataset | None = None,
         link: Link | None = None,
+        times: DeviceTimes | None = None,
     ) -> None:
         self.config = config
         self.model_spec = model_spec
@@ -150,6 +164,7 @@ class Orchestrator:
         self.clients: dict[str, ClientRecord] = {}
         self.client_samples: dict[str, int] = {}  # shared with the strategy's context
         self.current: RoundState | None = None
+        self.folding: Round | None = None  # the current round's aggregation, fed as updates are admitted
         self.checkpoint = Checkpoint(out_dir, config, model_spec)
         self.run_id = ""
         self.layout = parameter_layout(build_model(model_spec))
@@ -164,6 +179,13 @@ class Orchestrator:
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
+        self.times = times or DeviceTimes()  # each client's measured speed and transfers: deadlines and steps
+        self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
+        self.reports = ComputeReports()  # what clients told to train without uploading spent
+        self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
+        t = config.train  # compression: each device's upload codec (the round model's codec: self.distribution)
+        self.codecs = CodecPolicy(t.codec, t.codec_policy, t.upload_budget_s, t.codec_ladder, self.strategy.contract,
+                                  self.num_params)  # fmt: skip
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
@@ -174,7 +196,9 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
-        self.distribution = Distribution(self.link, self.topics, self.strategy.contract)
+        self.distribution = Distribution(
+            self.link, self.topics, self.strategy.contract, Downlink(t.downlink_codec, config.run.seed)
+        )
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
         self.link.answer_repeats(self.delivery.repeated)
 
@@ -228,6 +252,11 @@ class Orchestrator:
                 self._failed(sender, msg)
             elif isinstance(msg, ModelRequest):
                 self.distribution.answer(sender, msg, self.current.assigned_steps if self.current else ())
+            elif isinstance(msg, ComputeReport):
+                entry = self.reports.take(sender, msg, self.run_id)
+                self.times.record_compute(msg.round, sender, msg.compute_s, msg.local_steps)
+                log.info("round %d: %s trained %d steps without uploading, compute %.3f s", entry["round"], sender,
+                         msg.local_steps, msg.compute_s)  # fmt: skip
             elif isinstance(msg, Evaluation):
                 record = self.clients.get(sender)
                 self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
@@ -260,7 +289,7 @@ class Orchestrator:
                 "client %s registered: %d samples, %s",
                 sender,
                 hello.num_samples,
-                {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count")},
+                {k: hello.device.get(k) for k in ("hostname", "machine", "cpu_count", "device_class")},
             )
 
     def _check_model(self, sender: str, hello: Hello) -> None:
@@ -299,9 +328,11 @@ class Orchestrator:
             if owed and sender not in state.received:  # its one update of the round is refused: do not wait for it
                 state.failed.setdefault(sender, f"rejected: {exc.reason}")
             raise
-        assert state is not None  # admission refuses updates outside a round
-        state.received[sender] = update
+        assert state is not None and self.folding is not None  # admission refuses updates outside a round
+        self.times.arrived(sender)
+        state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
+        self.codecs.observe(sender, update.metrics)
         log.info(
             "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
             state.round,
@@ -361,23 +392,24 @@ class Orchestrator:
         excluded = self.strategy.excluded()
         return [c for c in self.online() if c not in excluded]
 
-    def deadline(self, slowest_compute_s: float | None) -> float:
-        """This round's deadline: fixed, or factor x the last round's slowest compute time + margin, within bounds."""
-        c = self.config.clients
-        if not c.deadline_factor or not slowest_compute_s:  # nothing measured yet
-            return c.round_deadline_s
-        derived = c.deadline_factor * slowest_compute_s + c.deadline_margin_s
-        return min(c.round_deadline_s, max(c.deadline_floor_s, derived))
-
-    def _assign(self, round_: int, version: int, weights: np.ndarray, deadline_s: float) -> dict[str, Any]:
-        """Select, then tell every chosen client its assignment; ``self.current`` is the round from here on."""
+    def _assign(self, round_: int, version: int, weights: np.ndarray) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Select, fit the steps, set the deadline from the predictions, then tell every chosen client its assignment;
+        ``self.current`` is the round from here on. What each client was told, and each selected one's prediction."""
         available = self.available()
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
-        state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
-        assignments = {}
+        planned = {}
         for cid in [*selected, *train_only]:
             a = self.strategy.assign(round_, cid)
+            planned[cid] = replace(a, local_steps=self.steps_policy.steps(cid, a.local_steps))
+        predictions = {cid: self.times.predict(cid, planned[cid].local_steps) for cid in selected}
+        deadline_s = round_deadline(self.config.clients, predictions)
+        state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
+        self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
+        self.times.round_started()
+        assignments = {}
+        for cid, a in planned.items():
+            state.codecs[cid] = self.codecs.codec_for(cid)
             assignments[cid] = replace(
                 a,
                 round=round_,
@@ -389,14 +421,18 @@ class Orchestrator:
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
+                codec=str(state.codecs[cid]),
                 task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
         sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
-        for cid, (slim, _) in sent.items():
+        told: dict[str, Any] = {}
+        for cid, (slim, size) in sent.items():
+            self.times.sent(cid)
             self.delivery.assigned(round_, cid, slim)  # as sent: naming the model, which a device may then ask for
-        return {cid: {**assignment_summary(a), "bytes_down": sent[cid][1]} for cid, a in assignments.items()}
+            told[cid] = {**assignment_summary(assignments[cid]), **self.codecs.describe(cid), "bytes_down": size}
+        return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     def _collect(self, state: RoundState) -> None:
         deadline = time.monotonic() + state.deadline_s
@@ -420,7 +456,14 @@ class Orchestrator:
         weights = get_flat(build_model(self.model_spec))
         self.strategy.setup(
             ServerContext(
-                self.model_spec, self.num_params, self.client_samples, self.root, self.config.run.seed, self.task
+                self.model_spec,
+                self.num_params,
+                self.client_samples,
+                self.root,
+                self.config.run.seed,
+                self.task,
+                run_dir=self.out_dir,
+                store_ram_bytes=self.config.train.store_ram_mb << 20,
             )
         )
         weights, metrics = self._resume(weights)
@@ -434,6 +477,8 @@ class Orchestrator:
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
+            if self.on_ready is not None:
+                self.on_ready()
             weights = self._train(weights, metrics, exporter, evaluations)
         finally:
             if evaluations is not None:
@@ -445,6 +490,7 @@ class Orchestrator:
             self.model_spec, weights, self.out_dir / "model-final.onnx", round=len(metrics.rows), task=self.task.name
         )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
+        classes = {cid: device_class(record.device) for cid, record in self.clients.items()}
         summary = summarize(
             metrics.rows,
             self.target,
@@ -457,6 +503,7 @@ class Orchestrator:
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
             per_client=client_summary(metrics.rows),
+            **fleet_summary(metrics.rows, classes, self.target),
         )
         last = metrics.rows[-1] if metrics.rows else {}
         summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
@@ -464,13 +511,14 @@ class Orchestrator:
         if metrics.rows:
             title = f"{self.strategy.name} · {self.summary_extra.get('dataset', '')} · {len(self.clients)} clients"
             plot_report(metrics.rows, self.target, self.out_dir / "report.png", title)
+            plot_timeline(metrics.rows, self.out_dir / "timeline.png", title, classes)
         return summary
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, MetricsLog]:
         """The starting model and metrics log: fresh, or restored from an unfinished run's checkpoint in ``out_dir``
         (after ``strategy.setup``, whose initial state the checkpoint then overwrites)."""
         metrics = MetricsLog(self.out_dir / "metrics.jsonl")
-        self.version, self.last_round, self.slowest_compute_s = 0, 0, None
+        self.version, self.last_round = 0, 0
         resumed = self.checkpoint.load(self.strategy, self.num_params)
         if resumed is None:
             self.run_id = uuid.uuid4().hex[:12]
@@ -478,8 +526,7 @@ class Orchestrator:
             return weights, metrics
         self.version, self.last_round, self.run_id = resumed.model_version, resumed.round, resumed.run_id
         metrics.resume(self.last_round)
-        if metrics.rows:
-            self.slowest_compute_s = metrics.rows[-1]["slowest_compute_s"]
+        self.times.replay(metrics.rows)
         log.warning(
             "resuming run %s from round %d (checkpoint %s, model version %d): rounds %d-%d to go",
             self.run_id,
@@ -491,11 +538,11 @@ class Orchestrator:
         )
         return resumed.weights, metrics
 
-    def _aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> tuple[np.ndarray, str | None]:
+    def _aggregate(self, round_: int, weights: np.ndarray, folding: Round) -> tuple[np.ndarray, str | None]:
         """The next model, or the current one and why the round was dropped (the strategy's state is restored)."""
         before = pack_state(self.strategy)
         try:
-            new = self.strategy.aggregate(round_, weights, updates)
+            new = self.strategy.finish(folding)
             if np.all(np.isfinite(new)):
                 return new, None
             reason = "non_finite_aggregate"
@@ -524,33 +571,38 @@ class Orchestrator:
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
             t0 = time.monotonic()
-            deadline_s = self.deadline(self.slowest_compute_s)
-            told = self._assign(round_, version, weights, deadline_s)
+            told, predictions = self._assign(round_, version, weights)
             state = self.current
+            assign_s = time.monotonic() - t0
             self.live.round_started(round_, t0 - start, told)
             assert state is not None
+            self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
             self._collect(state)
-            self.current = None
-            updates = [state.received[c] for c in sorted(state.received)]
+            self.current, folding, self.folding = None, self.folding, None
+            updates = [state.received[c] for c in sorted(state.received)]  # without their vectors
             t_agg = time.monotonic()
             dropped = None
-            if updates:
-                weights, dropped = self._aggregate(round_, weights, updates)
+            if updates and folding is not None:
+                weights, dropped = self._aggregate(round_, weights, folding)
                 version += dropped is None
             done = time.monotonic()  # the model is produced: time-to-target is stamped here
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
+                "assign_s": assign_s,
                 "aggregate_s": done - t_agg,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
                 "failed": dict(state.failed),
                 "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
-                "deadline_s": deadline_s,
+                "deadline_s": state.deadline_s,
+                "predictions": predictions,
                 "bytes_out": self.distribution.take_bytes_out(),  # the server's egress this round
+                "broadcast": self.distribution.broadcast,  # the round's model went out as a model or a difference
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
+                "train_only": self.reports.drain(),
                 "instructions": told,
                 "rejected": dict(self.link.rejections - rejected_before),  # by reason
                 "excluded": sorted(self.strategy.excluded()),
@@ -572,7 +624,6 @@ class Orchestrator:
                 if client_eval is not None:
                     row["client_eval"] = client_eval
             rejected_before = Counter(self.link.rejections)
-            self.slowest_compute_s = row["slowest_compute_s"] or self.slowest_compute_s
             previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
             if previous is not None and self._record(previous, metrics, exporter):
                 break
@@ -593,6 +644,11 @@ class Orchestrator:
         row = {**p.row, "eval_s": e.eval_s if e else 0.0, **(e.tested if e else {})}
         for name, result in (e.outputs if e else {}).items():
             row.update({f"{metric}_{name}": value for metric, value in result.items()})
+        if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
+            row["parallel_round_s"] = parallel_round_s(row)
+            row["parallel_elapsed_s"] = row["parallel_round_s"] + (
+                metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0
+            )
         metrics.append(row)
         self.checkpoint.save(p.weights, row["round"], p.version, p.state, self.run_id)
         value = self.target.of(row)
@@ -622,16 +678,19 @@ class Orchestrator:
         self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
         return self.federated.result(state)
 
-    @staticmethod
-    def _client_row(u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+    def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+        bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)
         return {
+            "device_class": device_class(self.clients[u.client_id].device),
+            # a device downloads its assignment and the round's model (broadcast to all, counted once in bytes_out)
+            **self.times.record(state.round, u, bytes_down + self.distribution.model_bytes, bytes_up),
             "compute_s": u.compute_s,
             "cpu_s": u.cpu_s,
             "local_steps": u.local_steps,
             "num_samples": u.num_samples,
             "train_loss": u.train_loss,
-            "bytes_up": state.bytes_up.get(u.client_id, 0),
-            "bytes_down": told[u.client_id]["bytes_down"],
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
             "device": u.metrics,
         }
 

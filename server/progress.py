@@ -43,10 +43,14 @@ class RoundProgress:
     def round_done(self, row: dict[str, Any]) -> None:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
         rejected = f"  rejected {sum(row['rejected'].values())}" if row["rejected"] else ""
+        slowest = max(row["clients"].values(), key=lambda c: c["compute_s"], default={})
+        of = f" ({slowest['device_class']})" if slowest.get("device_class") else ""
+        parallel = f"  parallel clock {row['parallel_elapsed_s']:.1f}s" if "parallel_elapsed_s" in row else ""
         self.console.print(
             f"round {row['round']:>3}/{self.rounds}  {self._measured(row)}  "
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
-            f"slowest compute {row['slowest_compute_s']:.2f}s  elapsed {row['elapsed_s']:.1f}s{missing}{rejected}",
+            f"slowest compute {row['slowest_compute_s']:.2f}s{of}  elapsed {row['elapsed_s']:.1f}s{parallel}"
+            f"{missing}{rejected}",
             highlight=False,
             soft_wrap=True,
         )
@@ -94,25 +98,55 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
+        ("fleet compute (all clients)", fmt(summary.get("fleet_compute_s"), " s")),
+        ("MB moved (up / down)", f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}"),
+        ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
+        ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
+    if "parallel_clock_s" in summary:  # in-process: the time a fleet of these devices would take
+        rows.insert(6, ("parallel clock", fmt(summary["parallel_clock_s"], " s")))
+        rows.insert(10, ("parallel clock to target", fmt(summary["parallel_clock_to_target_s"], " s")))
     for name, value in rows:
         table.add_row(name, str(value))
     return table
 
 
-def clients_table(per_client: dict[str, dict[str, Any]]) -> Table:
-    """What each device spent: the per_client part of summary.json (its evaluations when any device evaluated)."""
+def clients_table(per_client: dict[str, dict[str, Any]], missed: dict[str, int] | None = None) -> Table:
+    """What each device spent: the per_client part of summary.json (its evaluations when any device evaluated), and
+    the rounds each missed (summary.json's rounds_missed)."""
+    missed = missed or {}
     table = Table(title="per client")
     evaluated = any(s.get("evaluations") for s in per_client.values())
-    columns = ("client", "rounds", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C", "throttled")
-    for col in (*columns, *(("evals", "eval s") if evaluated else ())):
+    columns = ("client", "rounds", "missed", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C",
+               "throttled", *(("evals", "eval s") if evaluated else ()))  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
-    for cid, s in sorted(per_client.items()):
+    for cid in sorted({*per_client, *missed}):
+        s = per_client.get(cid)
+        if s is None:  # selected every time it was, and never reported
+            table.add_row(cid, "0", str(missed[cid]), *["-"] * (len(columns) - 3))
+            continue
         temp, eval_s = s["max_temperature_c"], s.get("mean_eval_s")
         table.add_row(
-            cid, str(s["rounds"]), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
+            cid, str(s["rounds"]), str(missed.get(cid, 0)), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
             f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
             "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
             *((str(s["evaluations"]), "-" if eval_s is None else f"{eval_s:.3f}") if evaluated else ()),
+        )  # fmt: skip
+    return table
+
+
+def classes_table(per_class: dict[str, dict[str, Any]]) -> Table:
+    """Compute and missed rounds per device class (summary.json's per_class); train-only: FedUmf's unselected."""
+    table = Table(title="per device class")
+    columns = ("class", "clients", "rounds reported", "rounds missed", "compute s", "train-only compute s",
+               "local steps", "s / 100 steps")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for name, c in per_class.items():
+        per_100 = c["s_per_100_steps"]
+        table.add_row(
+            name, str(c["clients"]), str(c["rounds_reported"]), str(c["rounds_missed"]), f"{c['compute_s']:.1f}",
+            f"{c['train_only_compute_s']:.1f}", f"{c['local_steps']:,}", "-" if per_100 is None else f"{per_100:.3f}",
         )  # fmt: skip
     return table

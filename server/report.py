@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +36,31 @@ class MetricsLog:
             fh.write(json.dumps(row) + "\n")
 
 
+def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
+    """Bytes of one round as sent: up, the updates admitted (as received); down, the server's egress (the round's
+    model broadcast once, every assignment, every model a device asked for)."""
+    up = sum(c.get("bytes_up", 0) for c in row.get("clients", {}).values())
+    return up, row.get("bytes_out", 0)
+
+
 def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[str, Any]:
-    """Round- and time-to-target figures on the target's metric (``final_<metric>``, ``best_<metric>``); for
+    """Round-, time- and bytes-to-target figures on the target's metric (``final_<metric>``, ``best_<metric>``); for
     classification's accuracy also ``target_accuracy``.
 
     ``client_compute_to_target_s`` sums, over the rounds up to the first that reached the target, the compute time of
     that round's slowest client: TACO's time-to-accuracy metric (network time excluded). ``client_eval_total_s`` sums
-    each evaluation's slowest device evaluation (device clocks), apart from training compute.
+    each evaluation's slowest device evaluation (device clocks), apart from training compute. ``bytes_to_target`` sums
+    every byte moved (up and down) in the rounds up to the target; ``codec_mix`` counts the assignments per codec.
     """
     m = target.metric
     evaluated = [r for r in rows if target.of(r) is not None]
     reached = next((r for r in evaluated if target.reached(target.of(r))), None)
-    compute_to = None
+    compute_to = bytes_to = None
+    traffic = [round_bytes(r) for r in rows]
     if reached is not None:
         compute_to = sum(r["slowest_compute_s"] for r in rows if r["round"] <= reached["round"])
+        bytes_to = sum(up + down for r, (up, down) in zip(rows, traffic, strict=True) if r["round"] <= reached["round"])
+    codec_mix = Counter(i["codec"] for r in rows for i in r.get("instructions", {}).values() if "codec" in i)
     last, last_eval = (rows[-1] if rows else {}), (evaluated[-1] if evaluated else {})
     best = None
     for r in evaluated:
@@ -66,6 +79,10 @@ def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[
         "time_to_target_s": reached["elapsed_s"] if reached else None,
         "client_compute_to_target_s": compute_to,
         "client_compute_total_s": sum(r["slowest_compute_s"] for r in rows),
+        "bytes_up": sum(up for up, _ in traffic),
+        "bytes_down": sum(down for _, down in traffic),
+        "bytes_to_target": bytes_to,
+        "codec_mix": dict(sorted(codec_mix.items())),
         "client_eval_total_s": sum(r["client_eval"]["slowest_eval_s"] for r in rows if "client_eval" in r),
         **extra,
     }
@@ -120,14 +137,22 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: str) -> None:
-    """The target's metric against rounds and against wall-clock time (server clock), with the target drawn in."""
+    """The target's metric against rounds, wall-clock time (server clock) and megabytes moved (up and down, as sent),
+    with the target drawn in."""
     evaluated = [r for r in rows if target.of(r) is not None]
     rounds = [r["round"] for r in evaluated]
     acc = [target.of(r) for r in evaluated]
     elapsed = [r["elapsed_s"] for r in evaluated]
+    moved_by_round = dict(zip([r["round"] for r in rows], accumulate(sum(round_bytes(r)) for r in rows), strict=True))
+    moved = [moved_by_round[r["round"]] / 1e6 for r in evaluated]
     reached = next((i for i, a in enumerate(acc) if target.reached(a)), None)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, xs, label in ((axes[0], rounds, "round"), (axes[1], elapsed, "wall-clock time (s, server clock)")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+    panels = (
+        (axes[0], rounds, "round", "{:.0f}"),
+        (axes[1], elapsed, "wall-clock time (s, server clock)", "{:.1f} s"),
+        (axes[2], moved, "megabytes moved, up and down (as sent)", "{:.2f} MB"),
+    )
+    for ax, xs, label, fmt in panels:
         ax.plot(xs, acc, marker="o", markersize=3)
         if target.value is not None:
             ax.axhline(target.value, color="grey", linestyle="--", linewidth=1, label=f"target {target.value:g}")
@@ -137,7 +162,7 @@ def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: s
                 color="tab:green",
                 linestyle=":",
                 linewidth=1,
-                label=f"reached at {xs[reached]:.0f}" if ax is axes[0] else f"reached at {xs[reached]:.1f} s",
+                label="reached at " + fmt.format(xs[reached]),
             )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)

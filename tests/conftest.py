@@ -25,6 +25,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.codecs import parse as parse_codec
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.protocol import Assignment, Update
@@ -357,13 +358,19 @@ def train_assignment(
 
 
 def admit(
-    strategy: Strategy, update: Update, *, registered: int | None = None, assigned_steps: int | None = None
+    strategy: Strategy,
+    update: Update,
+    *,
+    registered: int | None = None,
+    assigned_steps: int | None = None,
+    codec: str = "fp32",
 ) -> None:
     """Judge ``update`` as the orchestrator's admission does in the round it names (its client selected, told
-    ``assigned_steps``, registered with ``registered`` samples; both default to what the update claims); raises the
-    ProtocolError that rejects it."""
+    ``assigned_steps`` and ``codec``, registered with ``registered`` samples; both default to what the update claims);
+    raises the ProtocolError that rejects it."""
     cid = update.client_id
     steps = update.local_steps if assigned_steps is None else assigned_steps
     state = RoundState(update.round, update.model_version, {cid}, assigned_steps={cid: steps})
+    state.codecs[cid] = parse_codec(codec)
     gate = Admission(strategy.contract, strategy.params, strategy.ctx.num_params, TrainSection.max_update_norm)
     gate.check(cid, update, state, update.num_samples if registered is None else registered, update.run_id)

@@ -9,13 +9,24 @@ import torch
 from conftest import admit, train_assignment
 from torch import nn
 
+from edge_client import codecs as C
 from edge_client.algorithms.base import LocalContext
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.scaffold import ScaffoldClient
+from edge_client.compression import Uplink
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, MissingField, NonFiniteValues, ShapeMismatch, Update
+from edge_client.protocol import (
+    Assignment,
+    MissingField,
+    NonFiniteValues,
+    ProtocolError,
+    ShapeMismatch,
+    Update,
+    decode,
+    encode,
+)
 from edge_client.trainer import plan_for
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedavg import FedAvg
@@ -323,3 +334,42 @@ def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost(c_mean_over: s
     restored = make_server(ids, {"c_mean_over": c_mean_over})  # the bookkeeping is checkpointed with c
     restored.load_state_dict(server.state_dict())
     assert restored.aggregated == server.aggregated
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8:4", "topk:0.25+int8"])
+def test_server_c_stays_the_mean_of_the_c_i_with_compressed_uploads(codec: str) -> None:
+    """``delta_c`` is declared ``codec="commit"``: it may travel lossily, and each client then takes
+    ``c_i^old + delta_c`` as the server decoded it, so c is still the mean of the c_i."""
+    ids = ["a", "b", "c"]
+    clients = {k: ScaffoldClient() for k in ids}
+    uplinks = {k: Uplink(k) for k in ids}
+    server = make_server(ids)
+    w = flat_of(tiny_model(seed=4))
+    lossy = 0
+    for round_ in range(1, 5):
+        ups = []
+        for k in ids:
+            told = server.assign(round_, k)
+            told.round, told.codec = round_, codec
+            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
+            delta, arrays = uplinks[k].encode(told, clients[k], r.delta, r.arrays)
+            received = decode(encode(Update(round_, 0, k, 1, 5, 0.0, 0.0, 0.0, delta, arrays=arrays)))  # a frame
+            assert isinstance(received, Update)
+            lossy += not np.array_equal(received.arrays["delta_c"], r.arrays["delta_c"])
+            admit(server, received, codec=codec)
+            ups.append(received)
+        w = server.aggregate(round_, w, ups)
+        for k in ids:
+            clients[k].settle(server.assign(round_ + 1, k).settings["last_aggregated"])
+        np.testing.assert_allclose(server.c, mean_c_i(server, clients), atol=1e-6)
+    assert lossy >= 6 and np.abs(server.c).max() > 1e-3  # the codec did change delta_c, and c moved
+
+
+def test_delta_c_compressed_against_the_assignment_is_refused() -> None:
+    server = make_server(["a"])
+    delta_c = C.encode(np.ones(D, np.float32), C.parse("int8"), np.random.default_rng(0))
+    frame = decode(encode(Update(1, 0, "a", 1, 5, 0.0, 0.0, 0.0, np.zeros(D, np.float32), arrays={"delta_c": delta_c})))
+    with pytest.raises(ProtocolError, match="delta_c") as info:
+        admit(server, frame)  # told fp32
+    assert info.value.reason == "codec"
+    admit(server, frame, codec="int8")

@@ -35,13 +35,14 @@ ETA_G = K * LR
 # -- independent reference formulas (from ALGORITHMS.md 2.7, written without the code under test) ---------------------
 
 
-def ref_alphas(deltas: list[np.ndarray]) -> np.ndarray:
-    """Eq. 7: (1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0), cos := 0 for a zero vector."""
+def ref_alphas(deltas: list[np.ndarray], reference: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7: (1 - |D_i| / sum_j |D_j|) * max(cos(D_i, r), 0), cos := 0 for a zero vector; r = mean_j D_j unless a
+    ``reference`` (the previous global update) is given."""
     d = np.stack([np.asarray(x, dtype=np.float64) for x in deltas])
     norms = np.sqrt((d**2).sum(axis=1))
     if norms.sum() == 0:
         return np.zeros(len(d))
-    mean = d.mean(axis=0)
+    mean = d.mean(axis=0) if reference is None else np.asarray(reference, dtype=np.float64)
     mnorm = np.sqrt((mean**2).sum())
     out = []
     for i in range(len(d)):
@@ -98,6 +99,86 @@ def test_alphas_degenerate_cases() -> None:
     assert taco_alphas([]).size == 0
 
 
+def test_alphas_against_the_previous_global_update_on_hand_made_vectors() -> None:
+    deltas = [
+        np.array([1.0, 0.0, 0.0], np.float32),
+        np.array([0.0, 2.0, 0.0], np.float32),
+        np.array([-1.0, 0.5, 1.0], np.float32),  # against the reference: clipped to 0
+    ]
+    previous = np.array([3.0, 3.0, 0.0], np.float32)  # the global update the clients were sent
+    got = taco_alphas(deltas, "previous_global", previous)
+    np.testing.assert_allclose(got, ref_alphas(deltas, previous), rtol=1e-6)
+    total = 1 + 2 + 1.5  # by hand: cos = 1/sqrt(2) for the first two, negative for the third
+    np.testing.assert_allclose(got, [(1 - 1 / total) / np.sqrt(2), (1 - 2 / total) / np.sqrt(2), 0.0], rtol=1e-6)
+    assert np.abs(got - taco_alphas(deltas)).max() > 0.1  # really another reference than the mean
+    assert taco_alphas(deltas, "previous_global", None).tolist() == [0.0, 0.0, 0.0]  # round 0: no reference
+    assert taco_alphas(deltas, "previous_global", np.zeros(3, np.float32)).tolist() == [0.0, 0.0, 0.0]
+    # a freeloader uploading exactly the previous update: cos 1, alpha = 1 - its share of the norms
+    free = taco_alphas([previous, deltas[0]], "previous_global", previous)
+    assert free[0] == pytest.approx(1 - np.sqrt(18) / (np.sqrt(18) + 1), rel=1e-6)
+
+
+def test_previous_global_reading_over_rounds() -> None:
+    rng = np.random.default_rng(7)
+    w0 = rng.normal(size=5).astype(np.float32)
+    s = strategy(alpha_reference="previous_global")
+    with pytest.raises(ValueError, match="alpha_reference"):
+        strategy(alpha_reference="global")
+    first = [rng.normal(size=5).astype(np.float32) + 1 for _ in range(3)]
+    w1 = s.aggregate(1, w0, [upd(f"c{i}", d) for i, d in enumerate(first)])
+    np.testing.assert_allclose(w1, w0 - np.mean(first, axis=0), rtol=1e-5)  # no reference: alphas 0, uniform
+    assert s.round_metrics()["alpha"] == {"c0": 0.0, "c1": 0.0, "c2": 0.0}
+    second = [rng.normal(size=5).astype(np.float32) + 1 for _ in range(3)]
+    w2 = s.aggregate(2, w1, [upd(f"c{i}", d, 2) for i, d in enumerate(second)])
+    alphas = ref_alphas(second, w0 - w1)
+    assert np.abs(alphas - ref_alphas(second)).max() > 1e-3
+    np.testing.assert_allclose([s.alpha[f"c{i}"] for i in range(3)], alphas, rtol=1e-5)
+    np.testing.assert_allclose(w2, ref_aggregate(w1, second, alphas), rtol=1e-5, atol=1e-6)
+    restored = strategy(alpha_reference="previous_global")
+    restored.load_state_dict(s.state_dict())
+    ups = [upd(f"c{i}", d, 3) for i, d in enumerate(first)]
+    np.testing.assert_array_equal(restored.aggregate(3, w2, ups), s.aggregate(3, w2, ups))
+
+
+# -- Table VI's ablation switches -------------------------------------------------------------------------------------
+
+
+def test_without_tailored_aggregation_the_average_is_uniform_and_alphas_still_count() -> None:
+    w = np.zeros(3, np.float32)
+    f = np.array([1.0, 1.0, 0.0], np.float32)
+    h = np.array([0.5, -0.5, 1.0], np.float32)
+    alphas = ref_alphas([f, f, h])
+    assert alphas[0] >= 0.5 > alphas[2]
+    s = strategy(kappa=0.5, lambda_expel=1, tailored_aggregation=False)
+    new = s.aggregate(1, w, [upd("f1", f), upd("f2", f), upd("h", h)])
+    np.testing.assert_allclose(new, w - (2 * f + h) / 3, rtol=1e-6)  # eq. 6 with p_i = 1/N, not eq. 9
+    assert s.alpha["h"] == pytest.approx(alphas[2], rel=1e-6) and s.excluded() == {"f1", "f2"}
+
+
+def test_without_tailored_correction_clients_run_plain_sgd(caplog: pytest.LogCaptureFixture) -> None:
+    s = strategy(tailored_correction=False)
+    w0 = np.zeros(8, np.float32)
+    s.assign(1, "a")
+    d = np.linspace(-1, 1, 8).astype(np.float32)
+    s.aggregate(1, w0, [upd("a", d), upd("b", -d / 2)])
+    for c in ("a", "late"):
+        told = s.assign(2, c)
+        assert told.settings["tailored_correction"] is False and "global_delta" not in told.arrays
+    on = strategy().assign(2, "late")
+    assert on.settings["tailored_correction"] is True
+    off = {"tailored_correction": False}
+    client = TacoClient()
+    run(client, assignment(W_PREV, 0, params=off))
+    with caplog.at_level(logging.WARNING, logger="edgefl.client"):
+        got = run(client, assignment(W_CUR, 1, params=off))
+        fresh = run(TacoClient(), assignment(W_CUR, 5, params=off))  # nothing to derive from: no warning
+    plain = run(FedAvgClient(), assignment(W_CUR, 1))
+    np.testing.assert_allclose(got, plain, atol=1e-7)
+    np.testing.assert_allclose(fresh, plain, atol=1e-7)
+    assert np.abs(run(TacoClient(), assignment(W_CUR, 1, arrays={"global_delta": W_CUR})) - plain).max() > 1e-4
+    assert "no correction" not in caplog.text
+
+
 # -- eq. 9 and the per-client alpha on the wire -----------------------------------------------------------------------
 
 
@@ -110,7 +191,11 @@ def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
     first = s.assign(1, "c0")
     assert first.alpha == pytest.approx(0.1)  # alpha_i^0
     # gamma = 0 means 1/K, which the device takes from its plan (eta_g = K eta_l likewise)
-    assert first.settings == {"gamma": 0.0, "delta_scale": "per_step"} and s.gamma == pytest.approx(1 / K)
+    assert first.settings == {
+        "gamma": 0.0,
+        "delta_scale": "per_step",
+        "tailored_correction": True,
+    } and s.gamma == pytest.approx(1 / K)
     assert s.eta_g == pytest.approx(ETA_G)
     assert "global_delta" not in first.arrays  # Delta_0 = 0
 
@@ -363,7 +448,7 @@ def assignment(
         algorithm="taco",
         weights=np.asarray(weights, dtype=np.float32),
         alpha=alpha,
-        settings={"gamma": 0.5, "delta_scale": "per_step", **(params or {})},
+        settings={"gamma": 0.5, "delta_scale": "per_step", "tailored_correction": True, **(params or {})},
         arrays=arrays or {},
     )
 

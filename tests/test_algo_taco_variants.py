@@ -33,11 +33,11 @@ SETTINGS = TrainSettings(local_steps=3, lr=0.05, batch_size=4)
 D = 8
 
 
-def ref_alphas(deltas: list[np.ndarray]) -> np.ndarray:
-    """TACO eq. 7, written from the spec: (1 - |D_i| / sum |D_j|) * max(cos(D_i, mean D), 0)."""
+def ref_alphas(deltas: list[np.ndarray], reference: np.ndarray | None = None) -> np.ndarray:
+    """TACO eq. 7, written from the spec: (1 - |D_i| / sum |D_j|) * max(cos(D_i, r), 0), r = mean D or ``reference``."""
     d = np.stack(deltas).astype(np.float64)
     norms = np.linalg.norm(d, axis=1)
-    mean = d.mean(axis=0)
+    mean = d.mean(axis=0) if reference is None else np.asarray(reference, dtype=np.float64)
     cos = d @ mean / (norms * np.linalg.norm(mean))
     return (1 - norms / norms.sum()) * np.maximum(cos, 0)
 
@@ -121,6 +121,31 @@ def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
     restored.load_state_dict(s.state_dict())
     assert all(restored.assign(2, c).alpha == s.assign(2, c).alpha for c in ("c0", "c3", "new"))
     np.testing.assert_array_equal(restored.c, s.c)
+
+
+@pytest.mark.parametrize("variant", [FedProxTaco, ScaffoldTaco])
+def test_variants_take_the_previous_global_update_as_reference(variant: type) -> None:
+    s = variant(SETTINGS, {"alpha_reference": "previous_global"})
+    with pytest.raises(ContractError, match="alpha_reference"):
+        variant(SETTINGS, {"alpha_reference": "median"})
+    s.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    w0 = np.zeros(D, np.float32)
+    w1 = s.aggregate(1, w0, make_updates(1, seed=3))
+    assert all(s.assign(2, f"c{i}").alpha == 0.0 for i in range(4))  # round 0: no reference, alpha 0
+    ups = make_updates(2, seed=4)
+    w2 = s.aggregate(2, w1, ups)
+    alphas = ref_alphas([u.delta for u in ups], w0 - w1)  # against the update the clients were sent
+    assert np.abs(alphas - ref_alphas([u.delta for u in ups])).max() > 1e-3 and alphas.max() > 0.2
+    for u, a in zip(ups, alphas, strict=True):
+        assert s.assign(3, u.client_id).alpha == pytest.approx(a, rel=1e-5)
+    restored = variant(SETTINGS, {"alpha_reference": "previous_global"})
+    restored.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    restored.load_state_dict(s.state_dict())
+    ups3 = make_updates(3, seed=5)
+    np.testing.assert_array_equal(s.aggregate(3, w2, ups3), restored.aggregate(3, w2, ups3))
+    for u, a in zip(ups3, ref_alphas([u.delta for u in ups3], w1 - w2), strict=True):
+        assert restored.assign(4, u.client_id).alpha == s.assign(4, u.client_id).alpha
+        assert s.assign(4, u.client_id).alpha == pytest.approx(a, rel=1e-5)
 
 
 def tiny_run(

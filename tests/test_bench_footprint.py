@@ -22,12 +22,11 @@ def test_quick_run_measures_each_command_in_its_own_process(tmp_path: Path) -> N
         "baseline",
         "baseline + one training step",
         "run",
-        "run, without the optimiser warm-up",
         "predict",
         "fetch-model",
     }
     assert all(row["exit"] == 0 and row["peak_rss_mb"] > 0 for row in rows.values())
-    assert rows["run"]["updates"] == 2 and rows["run"]["torch_imported"]  # two real rounds over mosquitto
+    assert rows["run"]["updates"] == 2 and rows["run"]["torch_imported"]  # two real rounds of edge-server run
     assert not rows["predict"]["torch_imported"] and not rows["fetch-model"]["torch_imported"]
     # each process reports its own peak: the inference commands stay far below a process that loaded torch
     assert rows["predict"]["peak_rss_mb"] < rows["baseline"]["peak_rss_mb"]

@@ -244,6 +244,7 @@ def test_min_clients_zero_means_clients_count() -> None:
         ({"clients": {"deadline_factor": 2.0, "deadline_floor_s": 200.0}}, r"clients.deadline_floor_s must be .*<= "),
         ({"clients": {"deadline_margin_s": -1.0}}, "clients.deadline_margin_s must be seconds >= 0"),
         ({"train": {"max_update_norm": 0.0}}, r"train.max_update_norm must be a number > 0 \(inf disables"),
+        ({"train": {"store_ram_mb": -1}}, r"train.store_ram_mb must be MiB >= 0 \(0: every stored update"),
     ],
 )
 def test_fault_settings_are_validated_with_the_key_and_the_fix(values: dict, message: str) -> None:

@@ -123,6 +123,16 @@ def test_dirichlet_more_skewed_than_iid():
     assert mean_max_fraction("dirichlet:0.1") > mean_max_fraction("iid") + 0.3
 
 
+@pytest.mark.parametrize("scheme", ["dirichlet:0.1:balanced", "dirichlet:0.1"])
+def test_adult_dir01_over_20_clients_partitions(scheme):
+    """TACO Table VI's setting: one Dir(0.1) draw in several hundred gives all 20 clients 10 samples (2 classes)."""
+    labels = load_dataset("adult").train.y
+    for seed in (0, 1, 2):
+        parts = partition(labels, 20, scheme, seed=seed)
+        _check_cover(parts, len(labels))
+        assert min(len(p) for p in parts) >= 10
+
+
 def test_partition_mnist_scale():
     labels = load_dataset("mnist").train.y
     parts = partition(labels, 100, "dirichlet:0.2", seed=0)

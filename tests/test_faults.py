@@ -6,7 +6,6 @@ The in-process part checks that every strategy's state survives the checkpoint e
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import Hooks, make_config, make_update, start_federation
-from fakes import FakeDevice, as_sent
+from fakes import FakeDevice, as_sent, zero_update
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
@@ -196,10 +196,13 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
             proc.kill() if proc.poll() is None else None
     rows = hooks.rows
     assert summary["rounds"] == 4
-    # deadlines: round 1 the fixed one; then 2 x the previous round's slowest compute + 1 s, at least 4 s
+    # deadlines: round 1 the fixed one (nobody measured yet); then 2 x the longest prediction of a selected client
+    # (its own last seconds per step x its steps + its transfers; the killed and the frozen client keep theirs) + 1 s
     assert rows[0]["deadline_s"] == 60.0
-    for prev, row in itertools.pairwise(rows):
-        assert row["deadline_s"] == pytest.approx(max(4.0, 2.0 * prev["slowest_compute_s"] + 1.0))
+    for row in rows[1:]:
+        predicted = [p["predicted_s"] for p in row["predictions"].values()]
+        assert len(predicted) == row["clients_selected"] == 3
+        assert row["deadline_s"] == pytest.approx(min(60.0, max(4.0, 2.0 * max(predicted) + 1.0)))
     # round 2 closed at its deadline without the killed client and the frozen one
     assert rows[1]["missing"] == ["client-01", "client-02"] and sorted(rows[1]["clients"]) == ["client-00"]
     # the late update for round 2 was discarded, logged and counted, never aggregated into round 3
@@ -218,6 +221,48 @@ def test_killed_client_rejoins_with_its_state_and_a_straggler_late_update_is_dis
     # the two rejected round-2 updates' c_i^new were discarded, not committed: c is still the mean of the c_i
     assert orch.strategy.aggregated == {"client-00": 4, "client-01": 4, "client-02": 4}  # type: ignore[attr-defined]
     assert_c_is_the_mean_of_the_c_i(orch, orch.out_dir / "clients")
+
+
+def run_beside_c9(
+    orch: Any, broker: Any, job: str, respond: Callable[[Assignment], list[bytes | bytearray]]
+) -> tuple[dict[str, Any], FakeDevice]:
+    """Run ``orch`` with a fake device c9 (its own login) answering with ``respond``; the summary and the device."""
+    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, job, "c9", 10, respond).start()
+    try:
+        summary = orch.run()
+    finally:
+        device.stop()
+    assert device.error is None, device.error
+    return summary, device
+
+
+@pytest.mark.integration
+def test_a_slow_device_that_missed_a_round_gets_a_deadline_it_meets(federation, broker) -> None:
+    """The shut-out case. A slow device (c9: 3 s a round) beside two fast client processes misses round 2 (its link
+    was down). A deadline sized by the clients that reported (the fast ones) would shut it out for good; its own
+    round-1 speed, kept through the miss, gives round 3 a deadline it meets, and its update is aggregated."""
+    slow_s = 3.0
+    orch, _ = federation("shutout", clients=2, rounds=3, min_clients=3, round_deadline_s=60.0, deadline_factor=1.5,
+                         deadline_margin_s=1.0, deadline_floor_s=0.5)  # fmt: skip
+
+    def slow(a: Assignment) -> list[bytes | bytearray]:
+        if a.round == 2:
+            return []  # missed: its link was down
+        time.sleep(slow_s)  # the device's own compute, not a synchronisation
+        return [encode(replace(zero_update(a, "c9", 10), compute_s=slow_s))]
+
+    summary, _ = run_beside_c9(orch, broker, "shutout", slow)
+    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == 3 and [r["missing"] for r in rows] == [[], ["c9"], []]
+    assert "c9" in rows[0]["clients"] and "c9" in rows[2]["clients"]  # aggregated again in round 3
+    steps = rows[0]["clients"]["c9"]["local_steps"]
+    c9 = rows[2]["predictions"]["c9"]  # still its round-1 measurement
+    assert c9["s_per_step"] == pytest.approx(slow_s / steps) and c9["predicted_s"] >= slow_s
+    longest = max(p["predicted_s"] for p in rows[2]["predictions"].values())
+    assert rows[2]["deadline_s"] == pytest.approx(1.5 * longest + 1.0) and rows[2]["deadline_s"] > slow_s
+    # what the fast clients alone would have allowed (the old derived deadline) is shorter than c9's round
+    assert max(0.5, 1.5 * rows[1]["slowest_compute_s"] + 1.0) < slow_s
+    assert summary["rounds_missed"] == {"c9": 1}
 
 
 @pytest.mark.integration
@@ -240,12 +285,7 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
             )
         ]
 
-    device = FakeDevice.over_mqtt(broker.url, "c9", broker.devices["c9"].password, "absurd", "c9", 10, absurd).start()
-    try:
-        summary = orch.run()
-    finally:
-        device.stop()
-    assert device.error is None, device.error
+    summary, device = run_beside_c9(orch, broker, "absurd", absurd)
     answered = [a.round for a in device.assignments]
     rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == 3 and answered

@@ -5,9 +5,10 @@ it must survive a round trip: re-encoding it and decoding that gives the same fr
 same length) or raises a :class:`ProtocolError` subclass whose ``reason`` is one of the specific codes — never the
 base class's generic "protocol", never a bare ValueError, KeyError, struct.error or msgpack exception. Inputs: valid
 frames of every message type truncated at every offset, bit-flipped, with header length fields set huge and header
-values of wrong types, random bytes, and chunk frames fed to a Reassembler in hostile orders. The deadline turns a
-pathologically slow input (a hang in the making) into a failure. Run with ``--hypothesis-show-statistics`` to see
-how many inputs ended in which reason.
+values of wrong types, random bytes, and chunk frames fed to a Reassembler in hostile orders; updates whose vectors
+travel compressed (every codec of edge_client/codecs.py), with their parts corrupted and their counts, indices and
+scales made malformed. The deadline turns a pathologically slow input (a hang in the making) into a failure. Run
+with ``--hypothesis-show-statistics`` to see how many inputs ended in which reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from edge_client import codecs as C
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
 
@@ -33,6 +35,7 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 SPECIFIC = {c.reason for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)} - {"protocol"}
+SPECIFIC |= set(C.REASONS)  # a compressed vector that does not decode is refused with its codec's reason
 HUGE = [2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]
 
 # ------------------------------------------------------------------------------------------- valid messages
@@ -88,9 +91,25 @@ updates = st.builds(
     arrays=extra_arrays,
     run_id=run_ids,
 )
+codec_specs = st.sampled_from(["fp16", "int8", "int8:3", "topk:0.2", "topk:0.5+int8:2"]).map(C.parse)
+
+
+@st.composite
+def compressed_updates(draw: st.DrawFn) -> P.Update:
+    """An update whose delta and extra arrays travel compressed, each with its own codec."""
+    update = draw(updates)
+    spec = draw(codec_specs)
+    gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    update.delta = C.encode(update.delta, spec, gen)
+    update.arrays = {k: C.encode(v, draw(codec_specs), gen) for k, v in update.arrays.items()}
+    return update
+
+
 failures = st.builds(P.Failure, nonneg, ids, st.text("abz_", min_size=1, max_size=8), text, run_ids)
 presences = st.builds(P.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
 stops = st.builds(P.Stop, text, run_ids)
+reports = st.builds(P.ComputeReport, nonneg, ids, st.integers(1, 2**31), st.floats(0.0, 1e6), st.floats(0.0, 1e6),
+                    run_ids)  # fmt: skip
 models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
 global_models = st.builds(P.GlobalModel, nonneg, nonneg, digests, vectors, extra_arrays, run_ids)
 model_requests = st.builds(P.ModelRequest, nonneg, ids, digests, run_ids)
@@ -105,7 +124,18 @@ def chunks(draw: st.DrawFn) -> P.Chunk:
 
 
 messages = st.one_of(
-    hellos, assignments, updates, failures, presences, stops, models, global_models, model_requests, chunks()
+    hellos,
+    assignments,
+    updates,
+    compressed_updates(),
+    failures,
+    presences,
+    stops,
+    models,
+    global_models,
+    model_requests,
+    reports,
+    chunks(),
 )
 frames = messages.map(lambda m: bytes(P.encode(m)))
 
@@ -123,6 +153,12 @@ def check(payload: bytes | bytearray) -> P.Message | P.Chunk | None:
     event(f"accepted: {msg.TYPE}")
     again = P.encode(msg)
     assert bytes(P.encode(P.decode(again))) == bytes(again)  # what was accepted is a message encode stands by
+    codecs = getattr(msg, "codecs", {})
+    if codecs:  # decoded vectors are float32 now, each the length its header announced
+        header = P.read_header(payload)[0]
+        assert all(np.isfinite(v).all() for v in [msg.delta, *msg.arrays.values()])  # type: ignore[union-attr]
+        assert set(codecs.values()) == {d for _, d, _ in header["a"] if d != P.DTYPE}
+        return msg
     # the header may shrink (msgpack float32 -> float64, non-minimal ints) but the raw array bytes are the same
     assert len(again) - P.read_header(again)[1] == len(payload) - P.read_header(payload)[1]
     return msg
@@ -184,6 +220,7 @@ def test_every_truncation_of_each_message_type() -> None:
         ),
         P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
         P.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
+        P.ComputeReport(1, "pi-01", 50, 1.25, 1.1, run_id="r1"),
         P.Presence("pi-01", True),
         P.Stop("done"),
         P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),
@@ -303,3 +340,81 @@ def test_hostile_chunk_streams(
             delivered.append(bytes(P.encode(msg)))
     assert delivered in ([], [original])
     event(f"delivered: {len(delivered)}")
+
+
+# -------------------------------------------------------------------------------- malformed compressed payloads
+D = 40  # entries of the vector below: top-k 0.1 keeps 4, int8 has one block
+
+
+def compressed(spec: str) -> tuple[bytes, int]:
+    """A valid update frame whose delta is ``spec``-coded, and the offset where the delta's parts begin."""
+    x = np.linspace(-1.0, 1.0, D, dtype=np.float32)
+    delta = C.encode(x, C.parse(spec), np.random.default_rng(0))
+    payload = bytes(P.encode(P.Update(1, 0, "pi-01", 10, 1, 0.0, 0.0, 0.0, delta)))
+    return payload, P.read_header(payload)[1]
+
+
+def overwrite(spec: str, at: int, dtype: str, values: list[Any]) -> bytes:
+    """``spec``'s frame with the values at byte ``at`` of its parts replaced (the header untouched)."""
+    payload, offset = compressed(spec)
+    raw = np.array(values, dtype=dtype).tobytes()
+    return payload[: offset + at] + raw + payload[offset + at + len(raw) :]
+
+
+def reshaped(spec: str, wire: str | None = None, shape: list[int] | None = None) -> bytes:
+    """``spec``'s frame with the delta's header entry claiming another descriptor or shape."""
+
+    def edit(header: dict[str, Any]) -> None:
+        entry = header["a"][0]
+        entry[1], entry[2] = wire or entry[1], shape or entry[2]
+
+    return edited(compressed(spec)[0], edit)
+
+
+F16_INF, F16_NAN = 0x7C00, 0x7E00
+MALFORMED = [  # (what, frame, reason): top-k parts are indices (4 x u4) then values; int8 parts are scales, then q
+    ("top-k index out of range", overwrite("topk:0.1", 12, "<u4", [D]), "codec_index"),
+    ("top-k index far out of range", overwrite("topk:0.1+int8", 0, "<u4", [2**32 - 1]), "codec_index"),
+    ("top-k indices repeated", overwrite("topk:0.1", 0, "<u4", [5, 5]), "codec_index"),
+    ("top-k indices descending", overwrite("topk:0.1", 0, "<u4", [30, 20, 10, 0]), "codec_index"),
+    ("more top-k entries than the vector has", reshaped("topk:0.1", wire=f"topk:{D + 1}"), "codec_count"),
+    ("no top-k entries", reshaped("topk:0.1", wire="topk:0"), "codec_count"),
+    ("an int8 block of no entries", reshaped("int8", wire="int8:0"), "codec_count"),
+    ("a block size beyond the limit", reshaped("int8", wire="int8:9999999"), "codec_count"),
+    ("int8 scale NaN", overwrite("int8", 0, "<f4", [np.nan]), "codec_scale"),
+    ("int8 scale Inf", overwrite("int8", 0, "<f4", [np.inf]), "codec_scale"),
+    ("int8 scale negative", overwrite("int8", 0, "<f4", [-1.0]), "codec_scale"),
+    ("int8 scale too large for a finite value", overwrite("int8", 0, "<f4", [3e37]), "codec_scale"),
+    ("top-k int8 scale NaN", overwrite("topk:0.1+int8", 16, "<f4", [np.nan]), "codec_scale"),
+    ("float16 Inf", overwrite("fp16", 6, "<u2", [F16_INF]), "non_finite"),
+    ("float16 NaN", overwrite("fp16", 0, "<u2", [F16_NAN]), "non_finite"),
+    ("top-k value NaN", overwrite("topk:0.1", 16, "<f4", [np.nan]), "non_finite"),
+    ("a count the bytes do not match", reshaped("topk:0.1", wire="topk:3"), "shape"),
+    ("int8 claiming more entries than bytes", reshaped("int8", shape=[D + 8]), "shape"),
+    ("a few entries claiming 2^40", reshaped("topk:0.1", shape=[2**40]), "too_large"),
+    ("a compressed array of two dimensions", reshaped("int8", shape=[4, 10]), "shape"),
+    ("an unknown codec", reshaped("int8", wire="int9:256"), "invalid_field"),
+]
+
+
+@pytest.mark.parametrize("what, frame, reason", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_compressed_payloads_are_refused_with_their_own_reasons(what: str, frame: bytes, reason: str) -> None:
+    assert P.decode(compressed("topk:0.1+int8")[0])  # the frames they are made from are valid
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(frame)
+    assert info.value.reason == reason, repr(info.value)
+
+
+def test_every_codec_reason_is_exercised() -> None:
+    assert {reason for *_, reason in MALFORMED} >= set(C.REASONS) - {"codec_payload"}
+
+
+@FUZZ
+@given(st.sampled_from(["fp16", "int8", "topk:0.1", "topk:0.1+int8"]), st.data())
+def test_corrupted_compressed_parts(spec: str, data: st.DataObject) -> None:
+    """Bytes of the compressed parts overwritten at random: decoded as some vector, or refused specifically."""
+    payload, offset = compressed(spec)
+    body = bytearray(payload[offset:])
+    for _ in range(data.draw(st.integers(1, 6))):
+        body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    check(payload[:offset] + bytes(body))

@@ -1,8 +1,9 @@
 """Server-side update validation and FedAvg aggregation in-process, then one short run over the real broker.
 
 The in-process tests drive ``Orchestrator._handle`` with message objects (no connection: constructing an
-Orchestrator does not connect) and check the rejection counters and the round's accepted updates. Each invalid
-update differs from a valid one in exactly one respect, so each test exercises exactly one check.
+Orchestrator does not connect) and check the rejection counters and the round's accepted updates (kept without their
+vectors: each is folded into the strategy's round on admission). Each invalid update differs from a valid one in
+exactly one respect, so each test exercises exactly one check.
 """
 
 from __future__ import annotations
@@ -72,8 +73,15 @@ def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
     use_strategy(o, o.strategy)
     for cid in ("c0", "c1", "c2"):
         o._handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
-    o.current = RoundState(round=2, model_version=1, selected={"c0", "c1"}, assigned_steps={"c0": 2, "c1": 2})
+    open_round(o, RoundState(round=2, model_version=1, selected={"c0", "c1"}, assigned_steps={"c0": 2, "c1": 2}))
     return o
+
+
+def open_round(orch: Orchestrator, state: RoundState, weights: np.ndarray | None = None) -> None:
+    """Make ``state`` the round in progress and open its aggregation, as ``Orchestrator._train`` does."""
+    orch.current = state
+    w = np.zeros(orch.num_params, dtype=np.float32) if weights is None else weights
+    orch.folding = orch.strategy.begin(state.round, w)
 
 
 def use_strategy(orch: Orchestrator, strategy: Strategy) -> None:
@@ -81,6 +89,14 @@ def use_strategy(orch: Orchestrator, strategy: Strategy) -> None:
     orch.strategy = strategy
     strategy.setup(ServerContext(orch.model_spec, orch.num_params, orch.client_samples))
     orch.admission = Admission(strategy.contract, strategy.params, orch.num_params, orch.config.train.max_update_norm)
+    if orch.current is not None:
+        open_round(orch, orch.current)
+
+
+def received(orch: Orchestrator) -> dict[str, str]:
+    """The round's admitted updates: client id -> message id."""
+    assert orch.current is not None
+    return {cid: u.msg_id for cid, u in orch.current.received.items()}
 
 
 def update(orch: Orchestrator, cid: str, **changes: Any) -> Update:
@@ -109,15 +125,18 @@ def send(orch: Orchestrator, cid: str, msg: Any) -> None:
 def test_valid_update_is_accepted(orch: Orchestrator) -> None:
     u = update(orch, "c0")
     send(orch, "c0", u)
-    assert orch.current.received == {"c0": u}
+    assert received(orch) == {"c0": u.msg_id}
     assert not orch.link.rejections
+    kept = orch.current.received["c0"]  # the round keeps its scalars, not its vectors: they were folded
+    assert kept.delta.size == 0 and kept.arrays == {} and kept.num_samples == u.num_samples
+    assert orch.folding is not None and [r.msg_id for r in orch.folding.reports] == [u.msg_id]
 
 
 @pytest.mark.parametrize("round_", [1, 3], ids=["past_round", "future_round"])
 def test_update_for_another_round_is_out_of_round(orch: Orchestrator, round_: int) -> None:
     send(orch, "c0", update(orch, "c0", round=round_))
     assert orch.link.rejections == {"out_of_round": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 def test_update_outside_any_round_is_out_of_round(orch: Orchestrator) -> None:
@@ -130,7 +149,7 @@ def test_update_outside_any_round_is_out_of_round(orch: Orchestrator) -> None:
 def test_update_from_client_not_selected_is_out_of_round(orch: Orchestrator) -> None:
     send(orch, "c2", update(orch, "c2"))
     assert orch.link.rejections == {"out_of_round": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 def test_second_update_in_a_round_is_a_duplicate(orch: Orchestrator) -> None:
@@ -138,13 +157,13 @@ def test_second_update_in_a_round_is_a_duplicate(orch: Orchestrator) -> None:
     send(orch, "c0", first)
     send(orch, "c0", update(orch, "c0", delta=np.ones(orch.num_params, dtype=np.float32)))
     assert orch.link.rejections == {"duplicate": 1}
-    assert orch.current.received == {"c0": first}  # the first one stands
+    assert received(orch) == {"c0": first.msg_id}  # the first one stands
 
 
 def test_model_version_never_sent_is_rejected_by_its_own_reason(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c0", model_version=0))
     assert orch.link.rejections == {"model_version": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 @pytest.mark.parametrize("delta_size", [0, 1, -1], ids=["empty", "one_more", "one_less"])
@@ -152,13 +171,13 @@ def test_delta_of_wrong_length_is_a_shape_error(orch: Orchestrator, delta_size: 
     n = orch.num_params + delta_size if delta_size else 0
     send(orch, "c0", update(orch, "c0", delta=np.zeros(n, dtype=np.float32)))
     assert orch.link.rejections == {"shape": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 def test_update_claiming_another_client_id_is_invalid(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c1"))  # c1's update on c0's topic
     assert orch.link.rejections == {"invalid_field": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 @pytest.mark.parametrize("where", ["broadcast", "server", "sideways", "other_job"])
@@ -171,7 +190,7 @@ def test_message_on_a_non_client_topic_is_invalid(orch: Orchestrator, where: str
     }[where]
     orch._handle(topic, update(orch, "c0"))
     assert orch.link.rejections == {"invalid_field": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 @pytest.mark.parametrize("kind", ["assignment", "stop"])
@@ -212,13 +231,13 @@ def test_missing_required_extras_and_arrays_are_rejected(orch: Orchestrator) -> 
     send(orch, "c0", update(orch, "c0", arrays=control))  # no beta
     send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}))  # no control array
     assert orch.link.rejections == {"missing_field": 2}
-    assert orch.current.received == {}
+    assert received(orch) == {}
     send(orch, "c0", update(orch, "c0", extras={"beta": float("nan")}, arrays=control))  # not a finite number
     send(orch, "c0", update(orch, "c0", extras={"beta": 0.5}, arrays={"control": np.zeros(4, np.float32)}))
     assert orch.link.rejections == {"missing_field": 2, "invalid_field": 1, "shape": 1}
     ok = update(orch, "c0", extras={"beta": 0.5}, arrays=control)
     send(orch, "c0", ok)
-    assert orch.current.received == {"c0": ok}
+    assert received(orch) == {"c0": ok.msg_id}
 
 
 def test_rejections_do_not_block_a_later_valid_update(orch: Orchestrator) -> None:
@@ -227,7 +246,7 @@ def test_rejections_do_not_block_a_later_valid_update(orch: Orchestrator) -> Non
     u = update(orch, "c0")
     send(orch, "c0", u)
     assert orch.link.rejections == {"out_of_round": 1, "shape": 1}
-    assert orch.current.received == {"c0": u}
+    assert received(orch) == {"c0": u.msg_id}
 
 
 # ---------------------------------------------------------------------------------------------- registration
@@ -264,21 +283,23 @@ def fedavg_expected(w: np.ndarray, deltas: list[np.ndarray], p: list[float]) -> 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_fedavg_aggregates_the_received_updates(orch: Orchestrator, weighting: str) -> None:
     use_strategy(orch, make_strategy("fedavg", TrainSettings(2, 0.1, 8), {"weighting": weighting}))
-    orch.current = RoundState(
-        round=2, model_version=1, selected={"c0", "c1", "c2"}, assigned_steps=dict.fromkeys(("c0", "c1", "c2"), 2)
-    )  # c2 never reports
     rng = np.random.default_rng(0)
     w = rng.standard_normal(orch.num_params).astype(np.float32)
+    state = RoundState(
+        round=2, model_version=1, selected={"c0", "c1", "c2"}, assigned_steps=dict.fromkeys(("c0", "c1", "c2"), 2)
+    )  # c2 never reports
+    open_round(orch, state, w)
     samples = {"c0": 30, "c1": 90}
     for cid, n in samples.items():  # data-size weights are what a client registered with
         send(orch, cid, Hello(client_id=cid, num_samples=n))
     deltas = {cid: rng.standard_normal(orch.num_params).astype(np.float32) for cid in samples}
     for cid in samples:
         send(orch, cid, update(orch, cid, num_samples=samples[cid], delta=deltas[cid]))
-    updates = [orch.current.received[c] for c in sorted(orch.current.received)]
-    assert [u.client_id for u in updates] == ["c0", "c1"]
+    assert sorted(orch.current.received) == ["c0", "c1"]
+    assert all(u.delta.size == 0 for u in orch.current.received.values())  # folded on arrival, not kept
 
-    got = orch.strategy.aggregate(2, w, updates)
+    assert orch.folding is not None
+    got = orch.strategy.finish(orch.folding)
 
     # renormalised over the two that arrived: uniform 1/2 each (not 1/3), samples 30/120 and 90/120
     p = [0.5, 0.5] if weighting == "uniform" else [0.25, 0.75]
@@ -360,7 +381,7 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
 def test_update_claiming_more_steps_than_told_is_rejected(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c0", local_steps=3))  # told 2: FedNova/FedVeca would overweight it
     assert orch.link.rejections == {"steps": 1}
-    assert orch.current.received == {}
+    assert received(orch) == {}
 
 
 def test_round_t_is_evaluated_while_round_t_plus_1_trains(broker: Broker, digits, tmp_path: Path) -> None:

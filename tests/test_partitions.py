@@ -10,6 +10,7 @@ LABELS = np.repeat(np.arange(10), 600)  # MNIST-like: 10 balanced classes, 6000 
 SCHEMES = [
     "iid",
     "dirichlet:0.5",
+    "dirichlet:0.5:balanced",
     "taco-groups",
     "fedveca-case:1",
     "fedveca-case:2",
@@ -46,6 +47,21 @@ def test_covers_and_is_deterministic(scheme, clients):
 def test_seed_changes_split(scheme):
     a, b = partition(LABELS, 10, scheme, seed=0), partition(LABELS, 10, scheme, seed=1)
     assert not all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _grown_past_share(parts, labels=LABELS):
+    """(client, class) pairs where a client already holding more than n/N samples got samples of the next class."""
+    hist = np.stack([np.bincount(labels[p], minlength=10) for p in parts])
+    before = np.cumsum(hist, axis=1) - hist  # samples held before each class (classes are split in order)
+    return [
+        (c, k) for c in range(len(parts)) for k in range(10) if before[c, k] >= len(labels) / len(parts) and hist[c, k]
+    ]
+
+
+def test_dirichlet_balanced_gives_no_more_to_a_client_past_its_share():
+    for seed in range(3):
+        assert _grown_past_share(partition(LABELS, 20, "dirichlet:0.1:balanced", seed=seed)) == []
+    assert any(_grown_past_share(partition(LABELS, 20, "dirichlet:0.1", seed=s)) for s in range(3))  # not a no-op
 
 
 def test_drag_q1_label_exclusive_when_clients_le_classes():
@@ -186,6 +202,8 @@ FORMS = r"'taco-groups', 'fedveca-case:N'.*'drag-q:Q'.*'shards:K'.*'unbalanced:S
         "unbalanced",
         "unbalanced:x",
         "iid:1",
+        "dirichlet:0.5:balance",
+        "dirichlet:0.5:balanced:1",
     ],
 )
 def test_bad_scheme_names_valid_forms(scheme):

@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from edge_client import codecs
 from edge_client import protocol as P
 
 V = P.PROTOCOL_VERSION
@@ -88,6 +89,7 @@ MESSAGES = [
     _global_model(),
     _global_model(arrays={}),
     P.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
+    P.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
 ]
 
 
@@ -329,5 +331,23 @@ def test_too_large() -> None:
 
 def test_reasons_are_distinct() -> None:
     classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
-    assert len({c.reason for c in classes}) == len(classes) == 12
+    assert len({c.reason for c in classes}) == len(classes) == 13
     assert all(issubclass(c, ValueError) for c in classes)
+
+
+def test_a_round_model_may_carry_its_weights_as_a_compressed_difference_and_nothing_else_compressed() -> None:
+    """The int8 downlink (server.downlink): a GlobalModel's weights may travel coded, decoded on arrival; its shared
+    arrays and an assignment's arrays may not (only an update's arrays are coded otherwise)."""
+    rng = np.random.default_rng(0)
+    diff = codecs.encode(rng.standard_normal(600).astype(np.float32), codecs.parse("int8"), rng)
+    c = np.full(600, 0.5, np.float32)
+    message = P.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
+    got = P.decode(P.encode(message))
+    assert isinstance(got, P.GlobalModel) and got.diff_base == "cd" * 32
+    assert np.array_equal(got.weights, codecs.decode(diff)) and np.array_equal(got.arrays["c"], c)
+    coded_c = P.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
+    _reject(P.encode(coded_c), P.InvalidField, "'x:c'", "dtype")
+    assignment = _assignment()
+    assignment.arrays = {"c": diff}
+    _reject(P.encode(assignment), P.InvalidField, "'x:c'", "dtype")
+    _reject(_edit(P.encode(message), lambda h: h["f"].update(diff_base="xyz")), P.InvalidField, "'diff_base'")

@@ -71,6 +71,10 @@ class ClientAlgorithm:
         """Values and vectors to upload beside ``delta``; also the place to update state kept across rounds."""
         return {}, {}
 
+    def uploaded(self, arrays: dict[str, np.ndarray]) -> None:
+        """The arrays its contract declares ``codec="commit"``, as the server decodes them from this round's upload
+        (lossy when the upload was compressed): the algorithm adopts them where it keeps state derived from them."""
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """State that must survive a client restart (SCAFFOLD's c_i, FedUmf's stored update)."""
         return {}

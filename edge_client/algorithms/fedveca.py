@@ -28,14 +28,16 @@ CONTRACT = Contract(
     ),
     sends_values=(Value("P", "||grad F(w_{k-1})||^2 (0 in the first round)", example=1.0),),
     returns=(
-        Array("grad", "grad F_i(w_k) over the client's whole local data"),
-        Array("G", "(1/tau) sum of the local mini-batch gradients"),
+        # grad feeds ||grad F||^2 and the smoothness estimate L: differences of noisy estimates would inflate L
+        Array("grad", "grad F_i(w_k) over the client's whole local data", codec="half"),
+        Array("G", "(1/tau) sum of the local mini-batch gradients", codec="feedback"),  # the model step, like delta
     ),
     returns_values=(  # bounded far above honest estimates (units of 1 to 10^3 on the shipped models)
         Value("beta", "local smoothness estimate (Alg. 2 lines 15-16)", high=1e9),
         Value("delta", "local gradient divergence estimate (Alg. 2 lines 17-18)", high=1e9),
     ),
     unequal_steps=True,
+    adaptive_steps=True,
 )  # fmt: skip
 
 

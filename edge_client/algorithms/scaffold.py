@@ -11,6 +11,11 @@ says in every assignment which of this client's rounds it last aggregated (the v
 and a pending ``c_i^new`` of another round (the update was rejected, late or lost with a broker) is discarded.
 Otherwise ``c`` would drift from the mean of the ``c_i`` by ``delta_c / N`` per lost update. An assignment without
 ``last_aggregated`` (hand-made, the benchmark) commits at once, as the original algorithm does.
+
+An upload codec may send ``delta_c`` lossily (its contract declares ``codec="commit"``): the client then takes
+``c_i^new = c_i^old + delta_c`` as the server decoded it (``uploaded``), so ``c`` is still exactly the mean of the
+``c_i``. What a codec left out needs no residual: option II's ``c_i^new - c_i^old = delta / (K_i eta_l) - c`` is
+measured against the ``c_i`` the client holds, so the next round's ``delta_c`` carries it.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ CONTRACT = Contract(
         Value("last_aggregated", "the last round whose update from this client went into c (0: none)", integer=True,
               required=False),
     ),
-    returns=(Array("delta_c", "c_i^new - c_i^old"),),
+    returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit"),),
 )  # fmt: skip
 
 
@@ -57,6 +62,7 @@ class ScaffoldClient(ClientAlgorithm):
         self._correction: torch.Tensor | None = None  # alpha * (c - c_i), this round only
         self._steps = 0
         self.pending: tuple[int, np.ndarray] | None = None
+        self._old: tuple[int, np.ndarray, bool] | None = None  # (round, c_i^old, commit at once) until uploaded
 
     def coefficient(self, ctx: LocalContext) -> float:
         return float(ctx.setting("alpha"))
@@ -89,18 +95,29 @@ class ScaffoldClient(ClientAlgorithm):
 
     def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         assert self.c_i is not None and self._c is not None, "end_round before begin_round"
+        self._old = None
         if self._steps == 0:
             delta_c = np.zeros_like(self.c_i)
         else:
             # c_i^new - c_i = delta / (K_i eta_l) - c
             delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.plan.lr) - self._c).astype(np.float32)
-            c_i = self.c_i + delta_c
-            if ctx.plan.settings.get("last_aggregated") is None:
-                self.c_i = c_i
-            else:
-                self.pending = (ctx.plan.round, c_i)
+            self._old = (ctx.plan.round, self.c_i, ctx.plan.settings.get("last_aggregated") is None)
+            self._set_new(self.c_i + delta_c)
         self._c, self._correction = None, None
         return {}, {"delta_c": delta_c}
+
+    def _set_new(self, c_i: np.ndarray) -> None:
+        """``c_i^new``: committed at once (no ``last_aggregated``) or pending until the server settles it."""
+        assert self._old is not None
+        round_, _, at_once = self._old
+        if at_once:
+            self.c_i = c_i
+        else:
+            self.pending = (round_, c_i)
+
+    def uploaded(self, arrays: dict[str, np.ndarray]) -> None:
+        if self._old is not None:
+            self._set_new((self._old[1] + arrays["delta_c"]).astype(np.float32))
 
     def state_dict(self) -> dict[str, np.ndarray]:
         state = {} if self.c_i is None else {"c_i": self.c_i.copy()}

@@ -37,7 +37,7 @@ CONTRACT = Contract(
     ),
     sends=(Array("v_bar", "the weighted mean of last round's v_i (init = 'server_avg')", required=False,
                  scope="global"),),
-    returns=(Array("v", "v_{K-1}, the last momentum direction"),),
+    returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half"),),
 )  # fmt: skip
 
 

@@ -11,7 +11,8 @@ previous model is not the immediately preceding version - no correction this rou
 ``delta_scale = "model_diff"`` the term uses ``eta_g * Delta_t = w_{t-1} - w_t`` instead ((f)1 option).
 
 The contract here is TACO's whole contract, server settings included (expulsion, output z); the tailored FedProx and
-SCAFFOLD variants reuse ``ALPHA_INIT`` and ``tailored``.
+SCAFFOLD variants reuse ``ALPHA_INIT``, ``ALPHA_REFERENCE`` and ``tailored``. ``tailored_correction = false``
+(Table VI's ablation) makes the device run eq. 4's plain SGD.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ log = logging.getLogger("edgefl.client")
 #: alpha_i^0: the TACO coefficient of a client that has not uploaded yet (Algorithm 2's initialisation)
 ALPHA_INIT = Setting("alpha_init", float, 0.1, "alpha_i of a client before its first upload", low=0.0, high=1.0,
                      high_open=True)  # fmt: skip
+#: what eq. 7's cosine is taken against (ALGORITHMS.md 2.7 (f)4; docs/algorithms.md says why "mean" is the default)
+ALPHA_REFERENCE = Setting("alpha_reference", str, "mean",
+                          "eq. 7's cosine against the mean upload ('mean', the equation) or the global update the "
+                          "clients were sent ('previous_global', the prose)",
+                          choices=("mean", "previous_global"))  # fmt: skip
 
 CONTRACT = Contract(
     "taco",
@@ -48,6 +54,10 @@ CONTRACT = Contract(
         Setting("output", str, "z", "also evaluate eq. 15's z ('z') or only w ('w')", choices=("z", "w")),
         Setting("expel_strictly_greater", bool, False, "expel when strikes > lambda instead of >="),
         Setting("drop_on_expel_round", bool, False, "drop an expelled client's update of its expulsion round"),
+        ALPHA_REFERENCE,
+        Setting("tailored_correction", bool, True, "eq. 8's correction on the device (false: plain SGD, Table VI)",
+                device=True),
+        Setting("tailored_aggregation", bool, True, "eq. 9's alpha weights (false: uniform average, Table VI)"),
     ),
     sends=(Array("global_delta", "Delta_t at per-step scale, for clients that cannot derive it", required=False,
                  scope="global"),),
@@ -57,9 +67,10 @@ CONTRACT = Contract(
 
 def tailored_contract(base: Contract, description: str) -> Contract:
     """``base`` with TACO's alpha_i tailoring its correction (2.7 (f)13): the assignments carry alpha_i, and the
-    server needs ``alpha_init`` for clients that have not uploaded yet."""
+    server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
+    settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
     return dataclasses.replace(
-        base, name=f"{base.name}-taco", description=description, settings=(*base.settings, ALPHA_INIT), uses_alpha=True
+        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True
     )
 
 
@@ -99,11 +110,11 @@ class TacoClient(ClientAlgorithm):
         plan = ctx.plan
         eta_g = plan.steps * plan.lr
         gamma = float(ctx.setting("gamma")) or 1.0 / max(1, plan.steps)
-        coef = tailored(gamma, ctx)
+        coef = tailored(gamma, ctx) if ctx.setting("tailored_correction") else 0.0  # off: plain SGD (Table VI)
         if ctx.setting("delta_scale") == "model_diff":
             coef *= eta_g
-        delta = self.global_delta(ctx, eta_g)
-        self.corr = None if delta is None or coef == 0.0 else delta.mul(coef)
+        delta = self.global_delta(ctx, eta_g) if coef else None  # coefficient 0: nothing to correct with
+        self.corr = None if delta is None else delta.mul(coef)
         self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(plan.model_version)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:

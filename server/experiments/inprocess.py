@@ -8,6 +8,11 @@ cores), which is what the papers' time-to-accuracy figures assume.
 
 With one torch thread and the same seed, a run gives the same accuracy as the same run over a broker with one
 process per client (tests/test_inprocess.py checks this to 1e-4 after three rounds).
+
+Beside the real wall clock, a run keeps the parallel clock (``server.fleet_summary``): each round as long as its
+slowest device, the time a fleet would take. With a fleet of device profiles (``[fleet]``, ``--fleet``), each client's
+measured compute is divided by its profile's CPU share and its transfers take its link rates; without one, every
+client is a core of this machine and transfers are not modelled. No deadline applies in-process.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from edge_client.trainer import prepare_process
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.config import RunConfig
+from server.deadlines import DeviceTimes
 from server.experiments.attacks import behaviour
 from server.experiments.datasets import DatasetBundle
+from server.experiments.fleet import Fleet, fleet_of, slowed
 from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver
 
@@ -153,13 +160,17 @@ def run_inprocess(
 
     Clients load the same .npz shards the processes of ``simulate`` load, so both modes train on identical arrays.
     """
-    config = dataclasses.replace(config, clients=dataclasses.replace(config.clients, round_deadline_s=NO_DEADLINE_S))
+    clients = dataclasses.replace(config.clients, round_deadline_s=NO_DEADLINE_S, deadline_factor=0.0)
+    config = dataclasses.replace(config, clients=clients)
     prepare_process(config.clients.threads)
     roles = behaviours(config)
     bus = LocalBus()
     ids = client_ids(config.clients.count)
+    fleet = fleet_of(config, ids)
+    profiles = fleet.by_client if fleet else {}
     state_dirs = client_state_dirs(out_dir, ids)
     for cid, shard in zip(ids, shards, strict=True):
+        train = behaviour(roles[cid], cid)
         data, holdout = load_local_data(shard), None
         if config.eval.holdout:  # as edge-client run --holdout with --holdout-seed = the run's seed
             data, holdout = split_holdout(data, config.eval.holdout, config.run.seed, cid)
@@ -171,7 +182,8 @@ def run_inprocess(
             threads=config.clients.threads,
             state_dir=state_dirs[cid],
             link_factory=bus.connect,
-            train=behaviour(roles[cid], cid),
+            train=slowed(train, profiles[cid].cpu_share) if cid in profiles else train,
+            device_class=profiles[cid].name if cid in profiles else None,
             holdout=holdout,
             allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
             model_wait_s=0.0,  # nothing is in flight in-process: a model not here at its assignment was missed
@@ -184,6 +196,13 @@ def run_inprocess(
         link=LocalLink(bus, [Topics(config.run.job).all_up], drives_clients=True),
         root=root,
         observer=observer,
-        extra={"mode": "inprocess", **roles_summary(config), **(extra or {})},
+        extra={"mode": "inprocess", **roles_summary(config), **(fleet_extra(fleet) if fleet else {}), **(extra or {})},
+        times=DeviceTimes(links=profiles),
     )
     return orchestrator.run()
+
+
+def fleet_extra(fleet: Fleet) -> dict[str, Any]:
+    """summary.json's account of an in-process fleet."""
+    how = "in-process: each client's compute measured alone here and divided by its profile's CPU share"
+    return {"fleet": {**fleet.describe(), "cpu_limits": how}}

@@ -70,19 +70,38 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "column": spec.column,
         "algorithm": spec.algorithm,
         "seed": spec.seed,
+        "path": spec.path,
+        "params": config.algorithm_params(),
         "summary": summary,
         "curve": [
             {
                 "round": r["round"],
                 "accuracy": r["accuracy"],
                 "elapsed_s": r["elapsed_s"],
+                "parallel_elapsed_s": r.get("parallel_elapsed_s"),
                 "slowest_compute_s": r["slowest_compute_s"],
-                "compute_s": sum(c["compute_s"] for cid, c in r["clients"].items() if cid not in lazy),
-                "local_steps": sum(c["local_steps"] for cid, c in r["clients"].items() if cid not in lazy),
+                **_fleet_compute(r, lazy),
+                **round_alphas(r),
             }
             for r in rows
         ],
     }
+
+
+def round_alphas(row: dict[str, Any]) -> dict[str, Any]:
+    """TACO's alpha_i (eq. 7) of the clients that reported this round, for the algorithms that compute it (a
+    per-client dict; STEM's ``alpha`` is its scalar alpha_t, not this)."""
+    alpha = row["algorithm"].get("alpha")
+    if not isinstance(alpha, dict):
+        return {}
+    return {"alpha": {cid: alpha[cid] for cid in row["clients"] if cid in alpha}}
+
+
+def _fleet_compute(row: dict[str, Any], lazy: set[str]) -> dict[str, float]:
+    """A round's compute and local steps over honest clients, those that trained without uploading included."""
+    done = [c for cid, c in row["clients"].items() if cid not in lazy]
+    done += [r for r in row.get("train_only", []) if r["client"] not in lazy]
+    return {"compute_s": sum(c["compute_s"] for c in done), "local_steps": sum(c["local_steps"] for c in done)}
 
 
 def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Console | None = None) -> list[dict]:

@@ -2,11 +2,14 @@
 
 The clients talk to the server only through the broker, exactly as devices would; each gets its shard of the data
 set as an .npz file, its own broker credentials (through the environment, never the command line) and a fixed
-number of torch threads so that two cores are shared predictably.
+number of torch threads so that two cores are shared predictably. With a fleet of device profiles (``[fleet]``,
+``--fleet``) each process says its class and runs in a cgroup of its own with its class's CPU quota
+(``server.experiments.cgroups``), so its compute takes what that device would spend.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -25,6 +28,7 @@ from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.checkpoint import resumes
 from server.config import RunConfig
+from server.experiments.cgroups import CpuLimits
 from server.experiments.datasets import (
     DatasetBundle,
     format_histograms,
@@ -32,6 +36,7 @@ from server.experiments.datasets import (
     partition_bundle,
     write_shards,
 )
+from server.experiments.fleet import fleet_of
 from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
@@ -122,13 +127,15 @@ def start_clients(
     shards: list[Path],
     out_dir: Path,
     ca_file: str | None = None,
+    limits: CpuLimits | None = None,
     *,
     once: bool = True,
 ) -> dict[str, subprocess.Popen]:
     """One ``edge-client`` process per shard; logs and algorithm state under ``out_dir/clients``.
 
-    ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster).
-    ``once``: each exits when the run ends (a simulation); else they stay for the next run, as devices do.
+    ``url``: the broker of every client, or each client's own (devices of bridged sites, nodes of a cluster);
+    ``limits``: the fleet's cgroups, each process is put in its own as soon as it started; ``once``: each exits when
+    the run ends (a simulation); else they stay for the next run, as devices do.
     """
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +143,7 @@ def start_clients(
     threads = str(config.clients.threads)
     roles = behaviours(config)
     ids = client_ids(config.clients.count)
+    fleet = fleet_of(config, ids)
     state_dirs = client_state_dirs(out_dir, ids)
     code_flags, code_env = user_code(config)
     for cid, shard in zip(ids, shards, strict=True):
@@ -171,6 +179,8 @@ def start_clients(
             cmd += ["--holdout", str(config.eval.holdout), "--holdout-seed", str(config.run.seed)]
         if config.broker.max_packet_size:
             cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
+        if fleet:
+            cmd += ["--device-class", fleet.by_client[cid].name]
         cmd += code_flags
         env = {
             **os.environ,
@@ -182,6 +192,8 @@ def start_clients(
         }
         with (log_dir / f"{cid}.log").open("w") as fh:
             procs[cid] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        if limits is not None:
+            limits.place(cid, procs[cid].pid)
     log.info("started %d client processes; their logs are in %s", len(procs), log_dir)
     return procs
 
@@ -216,23 +228,33 @@ def run_processes(
     observer: RoundObserver | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One ``edge-client`` process per shard, the server here, all through the broker; returns the summary."""
-    procs = start_clients(config, link_config.url, logins, shards, out_dir, link_config.ca_file)
-    finished = False
-    try:
-        summary = make_orchestrator(
-            config,
-            bundle,
-            out_dir,
-            link_config=link_config,
-            root=root,
-            observer=observer,
-            extra={"mode": "broker", **roles_summary(config), **(extra or {})},
-        ).run()
-        finished = True
-    finally:  # after a failure no stop message went out: do not wait for the clients
-        codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
-        failed = {cid: code for cid, code in codes.items() if code}
-        if failed:
-            log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
+    """One ``edge-client`` process per shard, the server here, all through the broker; returns the summary.
+
+    A fleet's clients each run under their class's CPU quota from round 1 on; the cgroups go when the clients have
+    stopped.
+    """
+    fleet = fleet_of(config, client_ids(config.clients.count))
+    with CpuLimits(fleet.shares()) if fleet else contextlib.nullcontext() as limits:
+        procs = start_clients(config, link_config.url, logins, shards, out_dir, link_config.ca_file, limits)
+        fleet_facts = {"fleet": {**fleet.describe(), "cpu_limits": limits.describe()}} if fleet else {}
+        finished = False
+        try:
+            orchestrator = make_orchestrator(
+                config,
+                bundle,
+                out_dir,
+                link_config=link_config,
+                root=root,
+                observer=observer,
+                extra={"mode": "broker", **roles_summary(config), **fleet_facts, **(extra or {})},
+            )
+            if limits is not None:
+                orchestrator.on_ready = limits.enforce
+            summary = orchestrator.run()
+            finished = True
+        finally:  # after a failure no stop message went out: do not wait for the clients
+            codes = stop_clients(procs, timeout=30.0 if finished else 0.0)
+            failed = {cid: code for cid, code in codes.items() if code}
+            if failed:
+                log.warning("client processes exited with errors: %s (see %s/clients/)", failed, out_dir)
     return summary

@@ -15,6 +15,10 @@ A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clien
     [[bench.variants]]                       # optional: named overrides, one table column each
     name = "C=0.1"
     clients = { fraction = 0.1 }
+    algorithms = ["fedumf"]                  # optional: only these of the suite's algorithms run in this variant
+
+    [bench.overrides.fednova]                # optional: sections one algorithm's runs override
+    train = { steps_policy = "deadline", round_budget_s = 1.6 }
 
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
@@ -38,6 +42,7 @@ MODES = ("inprocess", "broker")
 class Variant:
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    algorithms: list[str] | None = None  # None: all of the suite's
 
 
 @dataclass
@@ -70,10 +75,18 @@ class Suite:
     partitions: list[str]
     seeds: list[int]
     variants: list[Variant]
+    overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # algorithm -> sections its runs override
     mode: str = "inprocess"
     description: str = ""
     paper: str = ""
     scaled: str = ""
+
+    def use_fleet(self, devices: str) -> None:
+        """Run every cell on this fleet (``bench --fleet``); the client count follows it."""
+        self.base = _merge(self.base, {"fleet": {"devices": devices}})
+        self.base.get("clients", {}).pop("count", None)
+        for variant in self.variants:
+            variant.overrides.get("clients", {}).pop("count", None)
 
     def runs(self) -> list[RunSpec]:
         """Every run, each validated; all algorithms of a column share the partition and seeds."""
@@ -82,7 +95,10 @@ class Suite:
             for partition in self.partitions:
                 for seed in self.seeds:
                     for algorithm in self.algorithms:
+                        if variant.algorithms is not None and algorithm not in variant.algorithms:
+                            continue
                         data = _merge(self.base, variant.overrides)
+                        data = _merge(data, self.overrides.get(algorithm, {}))
                         data = _merge(
                             data,
                             {
@@ -114,14 +130,15 @@ def shipped() -> list[str]:
     )
 
 
-def _str_list(bench: dict[str, Any], key: str, where: str, *, kind: type = str) -> list[Any]:
+def _str_list(bench: dict[str, Any], key: str, where: str, *, kind: type = str, prefix: str = "") -> list[Any]:
     value = bench.get(key)
     if (
         not isinstance(value, list)
         or not value
         or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
     ):
-        raise ConfigError(f"{where}: bench.{key} must be a non-empty list of {kind.__name__}s; got {value!r}")
+        name = f"bench.{prefix}.{key}" if prefix else f"bench.{key}"
+        raise ConfigError(f"{where}: {name} must be a non-empty list of {kind.__name__}s; got {value!r}")
     return value
 
 
@@ -131,7 +148,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     bench = data.pop("bench", None)
     if not isinstance(bench, dict):
         raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
-    known = {"algorithms", "partitions", "seeds", "variants", "mode", "description", "paper", "scaled"}
+    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "description", "paper", "scaled"}
     unknown = sorted(set(bench) - known)
     if unknown:
         raise ConfigError(
@@ -144,17 +161,29 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     for i, raw in enumerate(bench.get("variants") or [{"name": "default"}]):
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
             raise ConfigError(f'{where}: bench.variants[{i}] needs a name = "..." and the sections it overrides')
-        overrides = {k: v for k, v in raw.items() if k != "name"}
-        variants.append(Variant(raw["name"], overrides))
+        overrides = {k: v for k, v in raw.items() if k not in ("name", "algorithms")}
+        only = _str_list(raw, "algorithms", where, prefix=f"variants[{i}]") if "algorithms" in raw else None
+        variants.append(Variant(raw["name"], overrides, only))
     if len({v.name for v in variants}) != len(variants):
         raise ConfigError(f"{where}: bench.variants names must be unique")
+    algorithms = _str_list(bench, "algorithms", where)
+    for i, variant in enumerate(variants):
+        stray = sorted(set(variant.algorithms or []) - set(algorithms))
+        if stray:
+            raise ConfigError(f"{where}: bench.variants[{i}].algorithms names {stray}, not in bench.algorithms")
+    overrides = bench.get("overrides", {})
+    if not isinstance(overrides, dict) or not all(isinstance(v, dict) for v in overrides.values()):
+        raise ConfigError(
+            f"{where}: bench.overrides.NAME must be tables of the sections that algorithm's runs override"
+        )
     suite = Suite(
         name=name,
         base=data,
-        algorithms=_str_list(bench, "algorithms", where),
+        algorithms=algorithms,
         partitions=_str_list(bench, "partitions", where),
         seeds=_str_list(bench, "seeds", where, kind=int),
         variants=variants,
+        overrides=overrides,
         mode=mode,
         description=str(bench.get("description", "")),
         paper=str(bench.get("paper", "")),

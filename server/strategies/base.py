@@ -5,13 +5,20 @@ per-client values such as tau or alpha need no special case), how updates become
 evaluating or recording. Updates reach it only after ``server.admission`` checked them against the algorithm's contract,
 so a strategy never sees an undeclared, mis-shaped, non-finite or out-of-bound field. It works on plain float32 vectors,
 so every formula can be exercised in-process without a broker. Sign convention (ALGORITHMS.md C1): ``update.delta =
-w_sent - w_end``, descent-positive."""
+w_sent - w_end``, descent-positive.
+
+Aggregation is folded as updates arrive: ``begin`` opens a round's ``Round`` when its assignments are out, ``fold``
+adds each update the moment admission lets it in (into running sums, or into an ``UpdateStore`` for the algorithms
+that can weight an update only when all are in), and ``finish`` makes the next model. The server never holds a round's
+updates for the streaming algorithms: each is dropped once folded. The strategy's own state changes only in
+``finish``, so the orchestrator can restore it when it drops a round, and a round in progress is never checkpointed."""
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,6 +27,8 @@ from edge_client.contract import Contract
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment, Update
 from edge_client.tasks import TASKS, Task
+from server.strategies.running import RunningMean
+from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore
 
 log = logging.getLogger("edgefl.server")
 
@@ -46,6 +55,42 @@ class ServerContext:
     root: ArrayDataset | None = None  # server-side data (DRAG-BR's root data set)
     seed: int = 0
     task: Task = TASKS["classification"]  # the run's task: the loss of training on the server (DRAG-BR's root)
+    run_dir: Path | None = None  # where an UpdateStore spills rows beyond its RAM bound (None: the temp directory)
+    store_ram_bytes: int = DEFAULT_RAM_BYTES  # an UpdateStore's RAM bound
+
+
+_NO_ARRAY = np.zeros(0, dtype=np.float32)
+
+
+def without_arrays(update: Update) -> Update:
+    """``update`` without its vectors: what is kept of it once folded (ids, counts, timings, scalar values)."""
+    return replace(update, delta=_NO_ARRAY, arrays={})
+
+
+@dataclass(eq=False)
+class Round:
+    """One round's aggregation in progress, from ``Strategy.begin`` to ``finish``: the model it started from, every
+    update folded so far without its vectors, named running sums and, for the algorithms that need it, the store."""
+
+    number: int
+    weights: np.ndarray
+    reports: list[Update] = field(default_factory=list)
+    sums: dict[str, RunningMean] = field(default_factory=dict)
+    rows: UpdateStore | None = None
+    error: Exception | None = None  # what went wrong while folding: finish() raises it, which drops the round
+
+    def add(self, name: str, vector: np.ndarray, weight: float = 1.0, scale: float = 1.0) -> None:
+        """Fold ``vector`` into the running sum ``name`` (see ``RunningMean.add``)."""
+        if name not in self.sums:
+            self.sums[name] = RunningMean(self.weights.size)
+        self.sums[name].add(vector, weight, scale)
+
+    def mean(self, name: str) -> np.ndarray:
+        return self.sums[name].mean()
+
+    def store(self) -> UpdateStore:
+        assert self.rows is not None, "begin() gives this strategy's rounds a store"
+        return self.rows
 
 
 class Strategy(ABC):
@@ -58,6 +103,7 @@ class Strategy(ABC):
         self.params = self.contract.resolve(params)
         self.rng = np.random.default_rng(seed)
         self.ctx = ServerContext(model_spec={}, num_params=0, seed=seed)
+        self._store: UpdateStore | None = None
 
     @property
     def name(self) -> str:
@@ -98,9 +144,60 @@ class Strategy(ABC):
             weight_decay=s.weight_decay,
         )
 
+    # -- aggregation, folded as updates arrive ----------------------------------------------------------------------
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        """Open ``round_``'s aggregation from the global model ``weights`` (called once its assignments are out)."""
+        return Round(round_, weights)
+
+    def fold(self, rnd: Round, update: Update) -> Update:
+        """Fold one admitted update into ``rnd`` now; returns it without its vectors, all that needs keeping of it.
+
+        An error is logged and kept for ``finish`` to raise: it drops the round, never the run.
+        """
+        if rnd.error is None:
+            try:
+                self.add(rnd, update)
+            except Exception as exc:
+                log.exception("round %d: folding the update of %s failed", rnd.number, update.client_id)
+                rnd.error = exc
+        report = without_arrays(update)
+        rnd.reports.append(report)
+        return report
+
     @abstractmethod
+    def add(self, rnd: Round, update: Update) -> None:
+        """Fold ``update`` into ``rnd``'s running sums or store; nothing but ``rnd`` changes."""
+
+    def finish(self, rnd: Round) -> np.ndarray:
+        """The next global model from what was folded into ``rnd`` (at least one update); the strategy's own state
+        changes only here, and the round's store lets go of its rows."""
+        try:
+            if rnd.error is not None:
+                raise rnd.error
+            if not rnd.reports:
+                raise ValueError(f"round {rnd.number}: finish() without a folded update")
+            return self.close(rnd)
+        finally:
+            if rnd.rows is not None:
+                rnd.rows.clear()
+
+    @abstractmethod
+    def close(self, rnd: Round) -> np.ndarray:
+        """The next global model from ``rnd``'s sums, and this strategy's state for the next round."""
+
     def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        """The next global model from the current one and this round's accepted updates (at least one)."""
+        """A whole round at once: ``begin``, ``fold`` each of ``updates`` in order, ``finish``."""
+        rnd = self.begin(round_, weights)
+        for update in updates:
+            self.fold(rnd, update)
+        return self.finish(rnd)
+
+    def update_store(self, size: int) -> UpdateStore:
+        """This strategy's store, emptied for a new round (one store, reused: its spill file's pages stay mapped)."""
+        if self._store is None or self._store.size != size:
+            self._store = UpdateStore(size, self.ctx.run_dir, self.ctx.store_ram_bytes)
+        self._store.clear()
+        return self._store
 
     def excluded(self) -> set[str]:
         """Clients never to be selected again (TACO's expelled freeloaders)."""

@@ -12,19 +12,28 @@ eq. 4 and proof eq. 20). Per round, with ``S`` = the updates received and unifor
 
 Degenerate norms ((f)5, C5): ``|g_m| = 0`` gives ``v_m = 0`` (the formula itself); ``|r| < eps`` skips dragging
 (``v_m = g_m``, reported as ``lambda_m = 0``).
+
+Streaming with the previous round's reference: ``lambda_m`` needs only ``g_m`` and ``r``, so on arrival each update is
+folded as ``sum_m (1 - lambda_m) g_m`` (one vector) and the scalar ``sum_m lambda_m |g_m| / |r|``; ``finish`` forms
+``Delta = (that sum + that scalar r) / S``. Per update: its norm and its dot with ``r`` (one read from memory, the
+rest from cache) and one scaled add. The first aggregation has no reference yet (eq. 6, t = 0: the mean of the
+round's own uploads), so its uploads are kept in the strategy's ``UpdateStore`` and folded the same way in
+``finish``, once their mean is known.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from edge_client.algorithms.drag import ANGLE_APPROX, CONTRACT
 from edge_client.protocol import Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import EPS, cosine
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import EPS, axpy
+from server.strategies.store import held_bytes
 
 
 def degree_of_divergence(cos: float, c: float, approx: str) -> float:
@@ -38,6 +47,31 @@ def degree_of_divergence(cos: float, c: float, approx: str) -> float:
     raise ValueError(f"angle_approx must be one of {list(ANGLE_APPROX.choices)}; got {approx!r}")
 
 
+def increment_cosine(delta: np.ndarray, delta_norm: float, r: np.ndarray, r_norm: float) -> float:
+    """``cos(g, r)`` with ``g = -delta`` (C5 guard), without making ``g``: ``-delta.r / (|delta| |r|)``."""
+    if delta_norm < EPS or r_norm < EPS:
+        return 0.0
+    return -float(np.dot(delta, r)) / (delta_norm * r_norm)
+
+
+@dataclass(eq=False)
+class DragRound(Round):
+    """A DRAG round in progress: its reference and the running ``sum_m c_m g_m`` and ``sum_m k_m`` of
+    ``Delta = (1/S) (sum_m c_m g_m + (sum_m k_m) r)`` (eq. 8, 11 or 14)."""
+
+    r: np.ndarray | None = None
+    r_norm: float = 0.0
+    g_sum: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    r_coef: float = 0.0
+    lambdas: dict[str, float] = field(default_factory=dict)
+
+    def delta(self) -> np.ndarray:
+        """``Delta^t`` of eq. 8 over the folded updates (increment convention)."""
+        assert self.r is not None
+        agg = axpy(self.g_sum, self.r, self.r_coef)  # in place: the round is over
+        return agg / np.float32(len(self.reports))
+
+
 class Drag(Strategy):
     """DRAG with a momentum reference (eq. 6, 8, 10, 11); with ``alpha = 1`` the reference is simply last round's
     aggregate ``Delta^{t-1}`` ((f)3)."""
@@ -49,31 +83,48 @@ class Drag(Strategy):
         self.r: np.ndarray | None = None  # reference for the next aggregation (increment convention)
         self._lambdas: dict[str, float] = {}
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        share = np.float32(1.0 / len(updates))
-        if self.r is None:  # eq. 6, t = 0: the mean of this round's raw increments
-            self.r = np.zeros_like(weights, dtype=np.float32)
-            for u in updates:
-                self.r -= u.delta.astype(np.float32) * share
-        r = self.r
-        r_norm = float(np.linalg.norm(r))
-        c, approx = self.params["c"], self.params["angle_approx"]
-        agg = np.zeros_like(weights, dtype=np.float32)  # Delta^t = (1/S) sum v_m (eq. 8), one update at a time
-        self._lambdas = {}
-        for u in updates:
-            g = np.negative(u.delta, dtype=np.float32)
-            if r_norm < EPS:  # (f)5: no reference direction, no dragging
-                self._lambdas[u.client_id] = 0.0
-                agg += g * share
-                continue
-            lam = degree_of_divergence(cosine(g, r), c, approx)
-            self._lambdas[u.client_id] = lam
-            g_norm = float(np.linalg.norm(g))
-            agg += g * np.float32((1.0 - lam) / len(updates))  # eq. 11, first term
-            agg += r * np.float32(lam * g_norm / r_norm / len(updates))  # eq. 11, second term
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = DragRound(round_, weights, g_sum=np.zeros(weights.size, dtype=np.float32))
+        if self.r is None:  # eq. 6, t = 0: the reference is the mean of this round's uploads, kept until all are in
+            rnd.rows = self.update_store(weights.size)
+        else:
+            rnd.r, rnd.r_norm = self.r, float(np.linalg.norm(self.r))
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        assert isinstance(rnd, DragRound)
+        if rnd.r is None:
+            rnd.store().append(update.client_id, update.delta, held_bytes(update))
+        else:
+            self._drag(rnd, update.client_id, update.delta, float(np.linalg.norm(update.delta)))
+
+    def _drag(self, rnd: DragRound, client_id: str, delta: np.ndarray, delta_norm: float) -> None:
+        """Fold ``v_m`` of eq. 11 for ``g_m = -delta`` against ``rnd.r``."""
+        assert rnd.r is not None
+        if rnd.r_norm < EPS:  # (f)5: no reference direction, no dragging
+            rnd.lambdas[client_id] = 0.0
+            rnd.g_sum = axpy(rnd.g_sum, delta, -1.0)
+            return
+        cos = increment_cosine(delta, delta_norm, rnd.r, rnd.r_norm)
+        lam = degree_of_divergence(cos, self.params["c"], self.params["angle_approx"])
+        rnd.lambdas[client_id] = lam
+        rnd.g_sum = axpy(rnd.g_sum, delta, -(1.0 - lam))  # eq. 11, first term
+        rnd.r_coef += lam * delta_norm / rnd.r_norm  # eq. 11, second term's coefficient
+
+    def close(self, rnd: Round) -> np.ndarray:
+        assert isinstance(rnd, DragRound)
+        if rnd.r is None:  # the first aggregation: its reference is the mean of its increments, -mean(delta)
+            rows = rnd.store()
+            rnd.r = np.negative(rows.mean())
+            rnd.r_norm = float(np.linalg.norm(rnd.r))
+            for cid, row, norm in zip(rows.keys, rows, rows.norms, strict=True):
+                self._drag(rnd, cid, row, norm)
+        r = rnd.r
+        agg = rnd.delta()
+        self._lambdas = rnd.lambdas
         alpha = self.params["alpha"]
         self.r = (r * np.float32(1.0 - alpha) + agg * np.float32(alpha)).astype(np.float32)  # eq. 6 for t + 1
-        return (weights + agg).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
+        return (rnd.weights + agg).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"lambda": dict(self._lambdas)}

@@ -13,6 +13,11 @@ untrusted ``g_m`` as the normal variant does.
 
 The root batches come from ``BatchSampler(len(root), B, seed, "drag-br-root/<round>")``: a fixed, per-round stream,
 so a restarted server recomputes the same reference without keeping sampler state.
+
+Streaming: the reference depends only on ``theta^t``, so ``begin`` trains it while the clients train, and each update
+is folded on arrival as ``sum_m (1 - lambda_m)(|r| / |g_m|) g_m`` (one vector) and the scalar ``sum_m lambda_m``;
+``finish`` forms ``Delta = (that sum + that scalar r) / S``. One model-sized vector besides ``r``, whatever the number
+of clients.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from edge_client.models import build_model
 from edge_client.protocol import Update
 from edge_client.tasks import task_loss
 from edge_client.trainer import Plan, train_local
-from server.strategies.base import ServerContext, Strategy, TrainSettings
-from server.strategies.common import EPS, cosine
-from server.strategies.drag import degree_of_divergence
+from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
+from server.strategies.common import EPS, axpy
+from server.strategies.drag import DragRound, degree_of_divergence, increment_cosine
 
 log = logging.getLogger("edgefl.server")
 
@@ -87,22 +92,26 @@ class DragBR(Strategy):
         result = train_local(self.flat, weights, self.ctx.root, self.root_sampler(round_), plan, FedAvgClient())
         return np.negative(result.delta)
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
         r = self.reference(round_, weights)
-        r_norm = float(np.linalg.norm(r))
-        self._r_norm = r_norm
-        c, approx = self.params["c"], self.params["angle_approx"]
-        agg = np.zeros_like(weights, dtype=np.float32)  # Delta^t = (1/S) sum v_m (eq. 8), one update at a time
-        self._lambdas = {}
-        for u in updates:
-            g = np.negative(u.delta, dtype=np.float32)
-            lam = degree_of_divergence(cosine(g, r), c, approx)  # eq. 10 against the root reference
-            self._lambdas[u.client_id] = lam
-            g_norm = float(np.linalg.norm(g))
-            if g_norm >= EPS:  # eq. 14, first term (skipped for a zero update, C5)
-                agg += g * np.float32((1.0 - lam) * r_norm / g_norm / len(updates))
-            agg += r * np.float32(lam / len(updates))  # eq. 14, second term
-        return (weights + agg).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
+        g_sum = np.zeros(weights.size, dtype=np.float32)
+        return DragRound(round_, weights, r=r, r_norm=float(np.linalg.norm(r)), g_sum=g_sum)
+
+    def add(self, rnd: Round, update: Update) -> None:
+        assert isinstance(rnd, DragRound) and rnd.r is not None
+        g_norm = float(np.linalg.norm(update.delta))
+        cos = increment_cosine(update.delta, g_norm, rnd.r, rnd.r_norm)
+        lam = degree_of_divergence(cos, self.params["c"], self.params["angle_approx"])  # eq. 10 against the root
+        rnd.lambdas[update.client_id] = lam
+        if g_norm >= EPS:  # eq. 14, first term (skipped for a zero update, C5); g = -delta
+            rnd.g_sum = axpy(rnd.g_sum, update.delta, -(1.0 - lam) * rnd.r_norm / g_norm)
+        rnd.r_coef += lam  # eq. 14, second term's coefficient
+
+    def close(self, rnd: Round) -> np.ndarray:
+        assert isinstance(rnd, DragRound)
+        self._r_norm = rnd.r_norm
+        self._lambdas = rnd.lambdas
+        return (rnd.weights + rnd.delta()).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"lambda": dict(self._lambdas), "r_norm": self._r_norm}

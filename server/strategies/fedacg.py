@@ -15,6 +15,9 @@ CVPR 2024), in the descent-positive convention with ``m_0 = 0``:
 The strategy returns ``w_next``, which is what the orchestrator evaluates (C8); only the clients see the look-ahead.
 Round 1: ``m = 0``, so every client gets the global model itself and (original mode) round 1 is FedProx with
 ``zeta = beta`` and data-size weights (2.6 (f)).
+
+Streaming: ``sum_i p_i delta_i`` is FedAvg's running weighted sum, divided at the end; ``m`` and the look-ahead are
+updated in ``finish``. One model-sized vector per round besides the state, whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import numpy as np
 
 from edge_client.algorithms.fedacg import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import aggregation_weights, weighted_sum
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import fold_weight
 
 
 class FedACG(Strategy):
@@ -48,10 +51,13 @@ class FedACG(Strategy):
                 a.arrays["centre"] = self.lookahead
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+    def add(self, rnd: Round, update: Update) -> None:
+        rnd.add("delta", update.delta, fold_weight(update, self.params["weighting"]))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        weights = rnd.weights
         lam = np.float32(self.params["server_momentum"])
-        p = aggregation_weights(updates, self.params["weighting"])
-        mean = weighted_sum(p, (u.delta for u in updates), weights)
+        mean = rnd.mean("delta")
         m = np.zeros_like(mean) if self.m is None else self.m
         m_next = lam * m + mean
         if self.params["mode"] == "original":

@@ -3,6 +3,9 @@
 With ``eta_g = K * eta_l`` the update is ``w_next = w - sum_i p_i delta_i`` over the clients that reported, with
 ``p_i = 1/|S_t|`` (``weighting = "uniform"``, the default for TACO's experiments) or ``p_i = D_i / D``
 (``weighting = "samples"``), renormalised over the updates that arrived.
+
+Streaming: each delta is folded on arrival into ``sum_i w_i delta_i`` with ``w_i`` = 1 or D_i, and the sum of the
+``w_i``; ``finish`` divides once. One model-sized vector, whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ import numpy as np
 
 from edge_client.algorithms.fedavg import CONTRACT
 from edge_client.protocol import Update
-from server.strategies.base import Strategy
-from server.strategies.common import aggregation_weights, weighted_sum
+from server.strategies.base import Round, Strategy
+from server.strategies.common import fold_weight
 
 
 class FedAvg(Strategy):
     contract = CONTRACT
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        p = aggregation_weights(updates, self.params["weighting"])
-        return weights - weighted_sum(p, (u.delta for u in updates), weights)
+    def add(self, rnd: Round, update: Update) -> None:
+        rnd.add("delta", update.delta, fold_weight(update, self.params["weighting"]))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        return rnd.weights - rnd.mean("delta")

@@ -7,9 +7,12 @@ gives everyone ``settings.local_steps``). With ``p_i = D_i / D`` renormalised ov
     G_i = delta_i / (eta tau_i),  tau_k = sum_i p_i tau_i,  d_k = sum_i p_i G_i,  w_{k+1} = w_k - eta tau_k d_k
 
 (eq. 5; for plain SGD ``G_i`` equals the running mean of the local gradients exactly). ``eta`` cancels, so the
-update is computed as ``w_k - sum_i (p_i tau_k / tau_i) delta_i``, one delta at a time. Deviation from 2.10 (a): the
-client uploads ``delta`` rather than ``G_i``, and the server divides by the reported step count — same vector, no
-extra wire field.
+update is computed as ``w_k - tau_k sum_i p_i delta_i / tau_i``. Deviation from 2.10 (a): the client uploads
+``delta`` rather than ``G_i``, and the server divides by the reported step count — same vector, no extra wire field.
+
+Streaming: on arrival ``delta_i`` is folded into ``sum_i D_i delta_i / tau_i`` (its ``tau_i`` is in the update) with
+the normaliser ``sum_i D_i``; ``tau_k`` is a sum of scalars over the updates that arrived, so ``finish`` needs only
+the one running vector.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import numpy as np
 
 from edge_client.algorithms.fednova import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import aggregation_weights, weighted_sum
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import aggregation_weights, fold_weight
 
 log = logging.getLogger("edgefl.server")
 
@@ -58,15 +61,17 @@ class FedNova(Strategy):
         a.local_steps = self.local_steps_for(client_id)
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        p = aggregation_weights(updates, "samples")
-        tau = np.array([u.local_steps for u in updates], dtype=np.float64)
+    def add(self, rnd: Round, update: Update) -> None:
+        rnd.add("delta", update.delta, fold_weight(update, "samples"), 1.0 / update.local_steps)
+
+    def close(self, rnd: Round) -> np.ndarray:
+        p = aggregation_weights(rnd.reports, "samples")
+        tau = np.array([u.local_steps for u in rnd.reports], dtype=np.float64)
         tau_k = float(np.dot(p, tau))
-        self._tau = {u.client_id: int(u.local_steps) for u in updates}
+        self._tau = {u.client_id: int(u.local_steps) for u in rnd.reports}
         self._tau_k = tau_k
         # eta tau_k d_k = eta tau_k sum_i p_i delta_i / (eta tau_i)
-        coef = p * tau_k / tau
-        return (weights - weighted_sum(coef, (u.delta for u in updates), weights)).astype(np.float32, copy=False)
+        return (rnd.weights - np.float32(tau_k) * rnd.mean("delta")).astype(np.float32, copy=False)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"tau": dict(self._tau), "tau_k": self._tau_k}

@@ -2,6 +2,8 @@
 
 Every assignment carries ``zeta`` (a device setting); the client adds ``zeta (w - w_t)`` to its gradients. ``zeta``
 is TACO's name for the original FedProx ``mu`` (2.2 (f)1; the ``mu`` alias is not accepted).
+
+Streaming: FedAvg's (a running weighted sum and its normaliser, one model-sized vector).
 """
 
 from __future__ import annotations

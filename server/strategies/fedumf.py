@@ -20,6 +20,8 @@ Resolutions chosen (2.9 (f)):
 * The local optimiser (C7: SGD with momentum 0.5 and weight decay 5e-4 in the paper) is the run's, ``train.momentum``
   and ``train.weight_decay``, shared by every algorithm, so a comparison with FedAvg uses the same optimiser on both
   sides (the fedumf-mnist suite sets the paper's values for all). Its default is plain SGD, as for every algorithm.
+
+Streaming: FedAvg's (the selected clients' deltas folded on arrival into a running weighted sum and its normaliser).
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from edge_client.algorithms.fedumf import CONTRACT
-from edge_client.protocol import Assignment, Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import aggregation_weights, weighted_sum
+from edge_client.protocol import Assignment
+from server.strategies.base import TrainSettings
+from server.strategies.fedavg import FedAvg
 
 
-class FedUmf(Strategy):
+class FedUmf(FedAvg):
+    """FedAvg's aggregation; selection, train-only clients and the per-round learning rate are FedUmf's own."""
+
     contract = CONTRACT
 
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
@@ -73,10 +75,6 @@ class FedUmf(Strategy):
         a.local_steps, a.lr = self.local_steps_for(client_id), self.lr_at(round_)
         a.settings["lr_prev"] = self.lr_at(round_ - 1)
         return a
-
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        p = aggregation_weights(updates, self.params["weighting"])
-        return weights - weighted_sum(p, (u.delta for u in updates), weights)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"selected": list(self.selected), "train_only": list(self.trained_only)}

@@ -3,6 +3,10 @@
 Each round k the server forms ``grad F(w_k) = sum_i p_i h_i`` (eq. 8) and ``w_{k+1} = w_k - eta tau_k sum_i p_i G_i``
 (eq. 5) with ``p_i = D_i / D`` and ``tau_k = sum_i p_i tau_(k,i)`` over the steps the clients actually ran, estimates
 the smoothness L (Alg. 1 lines 11-16, diagnostic) and picks every client's next tau from its beta and delta (eq. 15).
+
+Streaming: ``h_i`` and ``G_i`` are folded on arrival into two running sums weighted by ``D_i`` with one normaliser;
+``tau_k``, the A values and the next taus are sums and maps of scalars over the updates that arrived, taken in
+``finish``. Two model-sized vectors per round besides the state (``grad F(w_{k-1})``), whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import numpy as np
 from edge_client.algorithms.fedveca import CONTRACT
 from edge_client.contract import ContractError
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import EPS, aggregation_weights, weighted_sum
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import EPS, aggregation_weights, fold_weight
 
 log = logging.getLogger("edgefl.server")
 
@@ -91,12 +95,17 @@ class FedVeca(Strategy):
         return a
 
     # -- aggregation -------------------------------------------------------------------------------------------------
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        k, lr = self.k, self.settings.lr
-        p = aggregation_weights(updates, "samples")  # p_i = D_i / D over the updates received
-        grad_f = weighted_sum(p, (u.arrays["grad"] for u in updates), weights)  # eq. (8)
+    def add(self, rnd: Round, update: Update) -> None:
+        weight = fold_weight(update, "samples")  # p_i = D_i / D over the updates received
+        rnd.add("grad", update.arrays["grad"], weight)
+        rnd.add("G", update.arrays["G"], weight)
+
+    def close(self, rnd: Round) -> np.ndarray:
+        k, lr, weights, updates = self.k, self.settings.lr, rnd.weights, rnd.reports
+        p = aggregation_weights(updates, "samples")
+        grad_f = rnd.mean("grad")  # eq. (8)
         tau_k = float(sum(pi * u.local_steps for pi, u in zip(p, updates, strict=True)))  # steps actually run
-        d_k = weighted_sum(p, (u.arrays["G"] for u in updates), weights)
+        d_k = rnd.mean("G")
         new = (weights - np.float32(lr * tau_k) * d_k).astype(np.float32, copy=False)  # eq. (5)
 
         # L: fold in L_{k-1} (lines 11-16), then prepare L_k for the next round.

@@ -13,6 +13,11 @@ Options: ``reference = "prev_global"`` uses the previous global update ``w_{t-1}
 previous evaluation (a literal reading of the circular definition; n = 1 is the executable form above).
 ``extra_1_over_N = true`` ([LITERAL]) multiplies the step by ``1/|S_t|``, the N of line 20 under TACO's full
 participation. This is not the original FoolsGold (Fung et al.), which keeps per-client histories (2.3 (f)4).
+
+Not streamed: with the default reference every weight needs the mean of all of the round's updates, so they are kept
+in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in the run directory), their norms
+and running sum taken on arrival; ``finish`` reads each one twice more (its dot with the reference, then the
+rho-weighted sum), twice more per extra fixed-point iteration.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import numpy as np
 
 from edge_client.algorithms.foolsgold import CONTRACT
 from edge_client.protocol import Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import EPS, cosine, normalise, weighted_sum
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import EPS, normalise
+from server.strategies.store import UpdateStore, held_bytes
 
 
 class FoolsGold(Strategy):
@@ -37,33 +43,43 @@ class FoolsGold(Strategy):
         self.prev_global: np.ndarray | None = None  # w_{t-1} - w_t, only with reference = "prev_global"
         self._last: dict[str, Any] = {}
 
-    def similarity_weights(self, deltas: list[np.ndarray], reference: np.ndarray | None) -> np.ndarray:
+    def similarity_weights(self, rows: UpdateStore, reference: np.ndarray | None) -> np.ndarray:
         """``rho_i`` against ``reference`` (clipped at 0 unless ``clip_negative`` is false); None means uniform."""
         if reference is None:
-            return np.ones(len(deltas))
-        rho = np.array([cosine(d, reference) for d in deltas])
+            return np.ones(len(rows))
+        norms, ref_norm = np.array(rows.norms), float(np.linalg.norm(reference))
+        rho = np.zeros(len(rows))
+        if ref_norm >= EPS:
+            ok = norms >= EPS
+            rho[ok] = rows.dots(reference)[ok] / (norms[ok] * ref_norm)
         return np.maximum(rho, 0.0) if self.params["clip_negative"] else rho
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        deltas = [u.delta for u in updates]
-        n = len(deltas)
-        if self.params["reference"] == "prev_global":
-            reference = self.prev_global
-        else:
-            reference = weighted_sum(np.full(n, 1.0 / n), deltas, weights)
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = super().begin(round_, weights)
+        rnd.rows = self.update_store(weights.size)
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        rows, weights = rnd.store(), rnd.weights
+        n = len(rows)
+        reference = self.prev_global if self.params["reference"] == "prev_global" else rows.mean()
         for it in range(self.params["fixed_point_iters"]):
-            rho = self.similarity_weights(deltas, reference)
+            rho = self.similarity_weights(rows, reference)
             p = normalise(rho)  # uniform when sum(rho) <= EPS
             if it + 1 < self.params["fixed_point_iters"]:
-                reference = weighted_sum(p, deltas, weights)
-        step = weighted_sum(p, deltas, weights)
+                reference = rows.weighted_sum(p)
+        uniform = bool(rho.sum() <= EPS) or reference is None
+        step = rows.mean() if uniform else rows.weighted_sum(p)  # the uniform mean is the running sum: no pass
         if self.params["extra_1_over_N"]:
             step *= np.float32(1.0 / n)
         new = weights - step
         if self.params["reference"] == "prev_global":
             self.prev_global = (weights - new).astype(np.float32)
         self._last = {
-            "rho": {u.client_id: float(r) for u, r in zip(updates, rho, strict=True)},
+            "rho": {cid: float(r) for cid, r in zip(rows.keys, rho, strict=True)},
             "uniform_fallback": bool(rho.sum() <= EPS),
         }
         return new

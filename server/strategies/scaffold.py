@@ -18,6 +18,10 @@ setting ``alpha`` and the value ``last_aggregated`` (the last round whose update
 none); it returns ``delta_c_i = c_i^new - c_i^old`` as the array ``"delta_c"`` and commits ``c_i^new`` only when a
 later assignment says that round was aggregated, so ``c`` stays the mean of the ``c_i`` when updates are rejected,
 late or lost.
+
+Streaming: on arrival, ``delta_i`` is folded into FedAvg's weighted sum and ``delta_c_i`` into a plain sum; ``finish``
+divides the first by its normaliser and the second by N (known then: the contributors, or the registered clients).
+Two model-sized vectors besides ``c``, whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import numpy as np
 
 from edge_client.algorithms.scaffold import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import ServerContext, Strategy, TrainSettings
-from server.strategies.common import aggregation_weights, weighted_sum
+from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
+from server.strategies.common import fold_weight
 
 
 class Scaffold(Strategy):
@@ -54,22 +58,24 @@ class Scaffold(Strategy):
         a.arrays["c"] = self.c
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
+    def add(self, rnd: Round, update: Update) -> None:
+        rnd.add("delta", update.delta, fold_weight(update, self.params["weighting"]))
+        rnd.add("delta_c", update.arrays["delta_c"])
+
+    def close(self, rnd: Round) -> np.ndarray:
         assert self.c is not None, "setup() first"
-        p = aggregation_weights(updates, self.params["weighting"])
-        new = weights - weighted_sum(p, (u.delta for u in updates), weights)
+        new = rnd.weights - rnd.mean("delta")
+        total = rnd.sums["delta_c"].total  # sum_i delta_c_i
+        ids = [u.client_id for u in rnd.reports]
         # a new array (not in place): assignments already handed out keep the c they were given
         if self.params["c_mean_over"] == "registered":
-            n_all = max(len(self.ctx.clients), len(updates))  # every registered client, selected or not
-            self.c = self.c + weighted_sum(
-                np.full(len(updates), 1.0 / n_all), (u.arrays["delta_c"] for u in updates), weights
-            )
+            n_all = max(len(self.ctx.clients), len(ids))  # every registered client, selected or not
+            self.c = self.c + total / np.float32(n_all)
         else:  # the sum of the contributors' c_i is N_old c; a newcomer's old c_i is 0, so its delta_c is c_i
             n_old = len(self.aggregated)
-            n_new = len(set(self.aggregated) | {u.client_id for u in updates})
-            total = weighted_sum(np.ones(len(updates)), (u.arrays["delta_c"] for u in updates), weights)
+            n_new = len(set(self.aggregated) | set(ids))
             self.c = ((self.c * np.float32(n_old) + total) / np.float32(n_new)).astype(np.float32)
-        self.aggregated.update((u.client_id, round_) for u in updates)
+        self.aggregated.update((cid, rnd.number) for cid in ids)
         return new
 
     def round_metrics(self) -> dict[str, Any]:

@@ -13,6 +13,9 @@ Resolutions chosen (2.5 (f)):
   ``v_bar`` = the weighted mean of last round's ``v_i`` (``arrays["v_bar"]``, d floats more per client); none in
   round 1 or before any round aggregated ((f)5: the client falls back to ``"grad"``).
 * ``weighting`` defaults to ``"uniform"`` (the printed ``1/N``, C3); ``"samples"`` weights delta and v by ``D_i/D``.
+
+Streaming: ``delta_i`` and ``v_i`` are folded on arrival into two running weighted sums with one normaliser, divided
+in ``finish``. Two model-sized vectors, whatever the number of clients.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import numpy as np
 
 from edge_client.algorithms.stem import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import Strategy, TrainSettings
-from server.strategies.common import aggregation_weights, weighted_sum
+from server.strategies.base import Round, Strategy, TrainSettings
+from server.strategies.common import fold_weight
 
 
 class Stem(Strategy):
@@ -40,13 +43,16 @@ class Stem(Strategy):
             a.arrays["v_bar"] = self.v_bar
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        p = aggregation_weights(updates, self.params["weighting"])
-        mean_delta = weighted_sum(p, (u.delta for u in updates), weights)
-        mean_v = weighted_sum(p, (u.arrays["v"] for u in updates), weights)
+    def add(self, rnd: Round, update: Update) -> None:
+        weight = fold_weight(update, self.params["weighting"])
+        rnd.add("delta", update.delta, weight)
+        rnd.add("v", update.arrays["v"], weight)
+
+    def close(self, rnd: Round) -> np.ndarray:
+        mean_v = rnd.mean("v")
         if self.params["init"] == "server_avg":
             self.v_bar = mean_v.copy()
-        return weights - mean_delta - np.float32(self.params["server_v_coeff"]) * mean_v
+        return rnd.weights - rnd.mean("delta") - np.float32(self.params["server_v_coeff"]) * mean_v
 
     def round_metrics(self) -> dict[str, Any]:
         return {"alpha": self.params["alpha"]}

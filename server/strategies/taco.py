@@ -5,6 +5,13 @@ Per round t, over the active (non-expelled) clients that reported: the tailored 
 every alpha is 0), strikes for ``alpha_i >= kappa`` and expulsion after ``lambda`` strikes (eq. 10). Each client is
 told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
 ``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
+
+Not streamed: eq. 7 weights each upload by its share of all the round's upload norms and by its cosine to the mean
+of all of them (or to the last global update, ``alpha_reference = "previous_global"``), known only when the last one
+is in. Uploads are kept in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in
+the run directory); on arrival each one's norm and the running sum are taken while it is in cache, and ``finish``
+reads each upload twice more: its dot with the mean, then the alpha-weighted sum (skipped for an alpha of 0, and not
+needed at all when every alpha is 0: the uniform mean is the running sum).
 """
 
 from __future__ import annotations
@@ -17,29 +24,46 @@ import numpy as np
 
 from edge_client.algorithms.taco import CONTRACT
 from edge_client.protocol import Assignment, Update
-from server.strategies.base import ServerContext, Strategy, TrainSettings
-from server.strategies.common import EPS, cosine, normalise, weighted_sum
+from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
+from server.strategies.common import EPS, normalise
+from server.strategies.store import UpdateStore, held_bytes
 
 log = logging.getLogger("edgefl.server")
 
 
-def taco_alphas(deltas: list[np.ndarray]) -> np.ndarray:
-    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, mean_j D_j), 0)``.
+def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7 over one round's uploads: ``(1 - |D_i| / sum_j |D_j|) * max(cos(D_i, r), 0)``.
 
-    The mean is the unweighted mean of the raw uploads ((f)4); cosines use the C5 guard, so a zero upload or a zero
-    mean gives 0; when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
+    ``reference = "mean"``: ``r`` is the unweighted mean of the raw uploads, eq. 7 as printed ((f)4).
+    ``"previous_global"``: ``r`` is ``previous``, the global update the clients were sent this round (the prose's
+    reading: the cosine between a client's update and the previous global gradient); ``None`` before the first
+    aggregation, when every cosine is 0 by the C5 guard. Cosines use the C5 guard (a zero upload or reference gives
+    0); when every norm is 0 (or there is one client, whose magnitude factor is 0) all alphas are 0 ((f)6).
     Returns float64 alphas in [0, 1), one per delta, in order.
     """
-    n = len(deltas)
-    if n == 0:
+    if not deltas:
         return np.zeros(0)
-    norms = np.array([float(np.linalg.norm(d)) for d in deltas])
+    rows = UpdateStore(deltas[0].size)
+    for i, d in enumerate(deltas):
+        rows.append(str(i), d)
+    return store_alphas(rows, reference, previous)
+
+
+def store_alphas(rows: UpdateStore, reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
+    """Eq. 7 (see ``taco_alphas``) over the rows of a store: norms and mean from arrival, one read of each row."""
+    norms = np.array(rows.norms)
     total = float(norms.sum())
-    if total <= EPS:
-        return np.zeros(n)
-    mean = weighted_sum([1.0 / n] * n, deltas, deltas[0])
-    cos = np.array([max(cosine(d, mean), 0.0) for d in deltas])
-    return (1.0 - norms / total) * cos
+    ref = rows.mean() if reference == "mean" else previous
+    if total <= EPS or ref is None:
+        return np.zeros(len(norms))
+    ref_norm = float(np.linalg.norm(ref))
+    if ref_norm < EPS:
+        return np.zeros(len(norms))
+    dots = rows.dots(ref)
+    cos = np.zeros(len(norms))
+    ok = norms >= EPS
+    cos[ok] = dots[ok] / (norms[ok] * ref_norm)
+    return (1.0 - norms / total) * np.maximum(cos, 0.0)
 
 
 class Taco(Strategy):
@@ -53,7 +77,9 @@ class Taco(Strategy):
     sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
     which no update arrived so the version did not advance); the last-sent version per client is tracked.
     (3) ``alpha_i^{t+1}`` from round t's uploads weights round t's aggregation, is counted for eq. 10, and is the
-    client's coefficient in round t+1. (4) The mean in eq. 7 is the unweighted mean of raw uploads.
+    client's coefficient in round t+1. (4) ``alpha_reference``: eq. 7's cosine against the unweighted mean of the raw
+    uploads ("mean", the equation) or against the global update the clients were sent ("previous_global", the
+    prose); see ``taco_alphas``.
     (5) Round 1 (paper t = 0): ``Delta_0 = 0``, so clients apply no correction; ``alpha_init`` (0.1) is sent to
     clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
     (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
@@ -67,6 +93,9 @@ class Taco(Strategy):
     gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
+    Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
+    is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
+    alphas, expulsion and z (the paper's row for both off on adult Dir(0.5), 78.88%, is its FedAvg figure in Table V).
     Note: ``assign`` records the client as a recipient of the current version (call it only when sending).
 
     Key resolutions of values the server cannot know at construction: ``gamma = 0.0`` means ``1/K`` with
@@ -124,9 +153,8 @@ class Taco(Strategy):
     def assign(self, round_: int, client_id: str) -> Assignment:
         a = super().assign(round_, client_id)
         a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
-        if self.last_step is not None and (
-            self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
-        ):
+        missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
+        if self.params["tailored_correction"] and self.last_step is not None and missed:
             a.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
         self.last_sent[client_id] = self.version
         return a
@@ -169,31 +197,44 @@ class Taco(Strategy):
             )
         return set(candidates)
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        gone = set(self.expelled)
-        stale = [u.client_id for u in updates if u.client_id in gone]
-        if stale:
-            log.warning("%s: round %d: ignoring updates of expelled clients %s", self.name, round_, stale)
-        updates = [u for u in updates if u.client_id not in gone]
-        if not updates:
-            return weights
-        alphas = taco_alphas([u.delta for u in updates])
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = super().begin(round_, weights)
+        rnd.rows = self.update_store(weights.size)
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        if update.client_id in self.expelled:
+            log.warning(
+                "%s: round %d: ignoring the update of expelled client %s", self.name, rnd.number, update.client_id
+            )
+            return
+        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        rows = rnd.store()
+        if not len(rows):  # every update came from an expelled client
+            return rnd.weights
+        alphas = store_alphas(rows, self.params["alpha_reference"], self.last_step)
         candidates = []
-        for u, a in zip(updates, alphas, strict=True):
-            self.alpha[u.client_id] = float(a)
-            if self._strike(u.client_id, float(a)):
-                candidates.append(u.client_id)
-        expelled_now = self._expel(round_, candidates)
-        keep = [u for u in updates if u.client_id not in expelled_now]
-        if self.params["drop_on_expel_round"] and keep:
-            p = normalise([self.alpha[u.client_id] for u in keep])
-            chosen = keep
+        for cid, a in zip(rows.keys, alphas, strict=True):
+            self.alpha[cid] = float(a)
+            if self._strike(cid, float(a)):
+                candidates.append(cid)
+        expelled_now = self._expel(rnd.number, sorted(candidates))  # in client order, whatever the arrival order
+        chosen = np.array([cid not in expelled_now for cid in rows.keys])
+        if not (self.params["drop_on_expel_round"] and chosen.any()):
+            chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
+        tailored = self.params["tailored_aggregation"]
+        coefs = alphas if tailored else np.ones(len(rows))
+        if chosen.all() and (not tailored or alphas.sum() <= EPS):
+            step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
         else:
-            p, chosen = normalise(alphas), updates  # eq. 9; uniform fallback when sum alpha <= EPS
-        step = weighted_sum(p, (u.delta for u in chosen), weights)  # eta_g * Delta_{t+1}
+            p = np.zeros(len(rows))
+            p[chosen] = normalise(coefs[chosen])  # eq. 9 (uniform if every alpha is 0)
+            step = rows.weighted_sum(p)  # eta_g * Delta_{t+1}
         self.last_step = step
         self.version += 1
-        return weights - step
+        return rnd.weights - step
 
     def excluded(self) -> set[str]:
         return set(self.expelled)
@@ -240,7 +281,12 @@ class TailoredCoefficients:
 
     ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
     alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
-    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)).
+    (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
+    reference is the host's last global update ``w_{t-1} - w_t``.
+
+    Streaming as far as the math allows: the aggregation (FedProx's or SCAFFOLD's) is folded on arrival as theirs is;
+    the alphas need every upload's cosine to the reference, so the deltas are also kept in the store (norms and mean
+    on arrival, one more read of each in ``finish``).
     """
 
     params: dict[str, Any]
@@ -248,6 +294,7 @@ class TailoredCoefficients:
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)  # type: ignore[call-arg]
         self.taco_alpha: dict[str, float] = {}
+        self.global_step: np.ndarray | None = None  # w_{t-1} - w_t, kept for "previous_global" only
 
     def alpha_of(self, client_id: str) -> float:
         return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
@@ -257,18 +304,33 @@ class TailoredCoefficients:
         a.alpha = self.alpha_of(client_id)
         return a
 
-    def aggregate(self, round_: int, weights: np.ndarray, updates: list[Update]) -> np.ndarray:
-        alphas = taco_alphas([u.delta for u in updates])  # alpha_i^{t+1}, for the next round's coefficient
-        new = super().aggregate(round_, weights, updates)  # type: ignore[misc]
-        self.taco_alpha.update({u.client_id: float(a) for u, a in zip(updates, alphas, strict=True)})
+    def begin(self, round_: int, weights: np.ndarray) -> Round:
+        rnd = super().begin(round_, weights)  # type: ignore[misc]
+        rnd.rows = self.update_store(weights.size)  # type: ignore[attr-defined]
+        return rnd
+
+    def add(self, rnd: Round, update: Update) -> None:
+        super().add(rnd, update)  # type: ignore[misc]
+        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+
+    def close(self, rnd: Round) -> np.ndarray:
+        reference = self.params["alpha_reference"]
+        alphas = store_alphas(rnd.store(), reference, self.global_step)  # alpha_i^{t+1}, next round's coefficient
+        new = super().close(rnd)  # type: ignore[misc]
+        self.taco_alpha.update({cid: float(a) for cid, a in zip(rnd.store().keys, alphas, strict=True)})
+        if reference == "previous_global":
+            self.global_step = (rnd.weights - new).astype(np.float32)
         return new
 
     def round_metrics(self) -> dict[str, Any]:
         return {**super().round_metrics(), "alpha": dict(self.taco_alpha)}  # type: ignore[misc]
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha)}  # type: ignore[misc]
+        step = None if self.global_step is None else self.global_step.copy()
+        return {**super().state_dict(), "taco_alpha": dict(self.taco_alpha), "global_step": step}  # type: ignore[misc]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # type: ignore[misc]
         self.taco_alpha = {str(k): float(v) for k, v in state.get("taco_alpha", {}).items()}
+        step = state.get("global_step")
+        self.global_step = None if step is None else np.asarray(step, dtype=np.float32)

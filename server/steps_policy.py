@@ -1,0 +1,71 @@
+"""The steps policy: how many local steps each client is told, chosen apart from the aggregation algorithm.
+
+``train.steps_policy = "fixed"``: what the algorithm says (``train.local_steps``, FedNova's ``floor(E D_i / B)``,
+FedVeca's tau). ``"deadline"``: the most steps the client can finish within ``train.round_budget_s`` at its own last
+measured speed (the budget minus its transfers, over its seconds per step; ``server.deadlines``), at least
+``train.tau_min`` and at most ``train.tau_max`` (0: ``train.local_steps``); with an algorithm that chooses each
+client's steps itself (its contract's ``adaptive_steps``: FedVeca's tau) never more than what it chose. A client that
+has not been measured yet is told what the algorithm says, within the same bounds.
+
+It is offered only with algorithms whose contract says they tolerate unequal steps (``unequal_steps``: the aggregation
+normalises each update by the steps its client ran, as FedNova and FedVeca do). Averaging raw updates of unequal step
+counts, as FedAvg does, minimises a different objective, weighted towards the clients that ran more steps: objective
+inconsistency (Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization",
+NeurIPS 2020, the FedNova paper).
+"""
+
+from __future__ import annotations
+
+import math
+
+from edge_client.algorithms import CONTRACTS, contract_of
+from edge_client.contract import Contract
+from server.config import TrainSection
+from server.deadlines import DeviceTimes
+
+
+def refusal(train: TrainSection) -> str | None:
+    """Why ``train``'s steps policy cannot be used (a config error naming the key and the fix), or None."""
+    if train.steps_policy != "deadline":
+        return None
+    if train.round_budget_s <= 0:
+        return "train.round_budget_s must be seconds > 0 with train.steps_policy = 'deadline' (the round time to fit)"
+    try:
+        contract = contract_of(train.algorithm)
+    except ValueError:
+        return None  # the unknown algorithm is reported on its own key
+    if contract.unequal_steps:
+        return None
+    tolerant = ", ".join(sorted(name for name, c in CONTRACTS.items() if c.unequal_steps))
+    return (
+        f"train.steps_policy = 'deadline' gives clients different local step counts, which {train.algorithm} cannot "
+        f"aggregate: it averages raw updates, so the model would drift towards the objective of the clients that ran "
+        f"more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose aggregation "
+        f"normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
+    )
+
+
+class StepsPolicy:
+    """The steps each client is told this round, given what the algorithm proposed."""
+
+    def __init__(self, train: TrainSection, contract: Contract, times: DeviceTimes) -> None:
+        self.deadline = train.steps_policy == "deadline"
+        self.budget_s = train.round_budget_s
+        self.tau_min = train.tau_min
+        self.tau_max = train.tau_max or train.local_steps
+        self.adaptive = contract.adaptive_steps
+        self.times = times
+
+    def steps(self, client_id: str, proposed: int) -> int:
+        if not self.deadline:
+            return proposed
+        cap = min(self.tau_max, proposed) if self.adaptive else self.tau_max
+        floor = min(self.tau_min, proposed) if self.adaptive else self.tau_min
+        e = self.times.estimates.get(client_id)
+        if e is None:  # not measured yet: what the algorithm says
+            fit = proposed
+        elif e.s_per_step <= 0:
+            fit = cap
+        else:
+            fit = math.floor((self.budget_s - e.transfer_s) / e.s_per_step + 1e-9)
+        return max(floor, min(cap, fit))

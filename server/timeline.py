@@ -1,0 +1,107 @@
+"""timeline.png: one row per client and, for every round, the time it spent downloading, computing, uploading and
+idle, with each round's deadline drawn; where a fleet's time goes, and which device classes hold the rounds up.
+
+Over a broker the bars are on the server's wall clock: a client's bar starts when its assignment was published and
+ends when its update arrived (download and upload split at the client's own timestamp before training, see
+``server.deadlines``). In-process they are on the parallel clock (``server.fleet_summary``): each reporting client
+starts once the server has assigned, and its phases are its device's times. A selected client that did not report is
+drawn as missed up to the end of the round; a client that trained without uploading (FedUmf) has a hatched compute bar
+from the round's start (it never says when it started).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+COLOURS = {"download": "tab:blue", "compute": "tab:orange", "upload": "tab:green", "idle": "0.88", "missed": "tab:red"}
+#: A deadline at least this long is no deadline (in-process runs wait for every client).
+NO_DEADLINE_S = 1e8
+
+
+def _round_start(row: dict[str, Any], parallel: bool) -> tuple[float, float]:
+    """When the round began and how long it lasted, on the clock the timeline uses."""
+    if parallel:
+        return row["parallel_elapsed_s"] - row["parallel_round_s"], row["parallel_round_s"]
+    return row["elapsed_s"] - row["round_s"], row["round_s"]
+
+
+def _segments(row: dict[str, Any], parallel: bool) -> dict[str, list[tuple[str, float, float]]]:
+    """Per client: (phase, start, length) on the timeline's clock for one round."""
+    start, length = _round_start(row, parallel)
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for cid, c in row["clients"].items():
+        t = start + (row["assign_s"] if parallel else c.get("sent_s", 0.0))
+        segs = []
+        for phase in ("download", "compute", "upload"):
+            seconds = c.get(f"{phase}_s", 0.0)
+            segs.append((phase, t, seconds))
+            t += seconds
+        end = start + length
+        if end > t:
+            segs.append(("idle", t, end - t))
+        out[cid] = segs
+    for cid in row["missing"]:
+        out[cid] = [("missed", start + row["assign_s"], max(0.0, length - row["assign_s"]))]
+    return out
+
+
+def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Mapping[str, str] | None = None) -> None:
+    """Write the timeline of ``rows`` (metrics.jsonl) to ``path``; ``known``: each client's device class."""
+    parallel = "parallel_elapsed_s" in rows[0]
+    classes: dict[str, str] = dict(known or {})
+    for row in rows:
+        for cid, c in row["clients"].items():
+            classes.setdefault(cid, c.get("device_class", ""))
+        for cid in [*row["missing"], *(r["client"] for r in row.get("train_only", []))]:
+            classes.setdefault(cid, "")
+    order = sorted(classes, key=lambda c: (classes[c], c))
+    y = {cid: i for i, cid in enumerate(order)}
+    starts = {row["round"]: _round_start(row, parallel) for row in rows}
+    begin, end = min(s for s, _ in starts.values()), max(start + length for start, length in starts.values())
+    height = 1.9 + 0.3 * len(order)
+    fig, ax = plt.subplots(figsize=(12, height))
+    used: set[str] = set()
+    deadlines = [starts[r["round"]][0] + r["deadline_s"] for r in rows if r["deadline_s"] < NO_DEADLINE_S]
+    for row in rows:
+        for cid, segs in _segments(row, parallel).items():
+            for phase, t, seconds in segs:
+                ax.broken_barh([(t, seconds)], (y[cid] - 0.4, 0.8), facecolors=COLOURS[phase], linewidth=0)
+                used.add(phase)
+        for r in row.get("train_only", []):
+            begun = starts.get(r["round"], _round_start(row, parallel))[0]
+            ax.broken_barh([(begun, r["compute_s"])], (y[r["client"]] - 0.4, 0.8), facecolors="none",
+                           edgecolors=COLOURS["compute"], hatch="///", linewidth=0.5)  # fmt: skip
+            used.add("train_only")
+    shown = [d for d in deadlines if d <= end]
+    ax.vlines(shown, -0.5, len(order) - 0.5, colors="darkred", linestyles="dashed", linewidth=0.8)
+    ax.set_xlim(begin, end + 0.01 * (end - begin))
+    ax.set_yticks(range(len(order)), [f"{c} ({classes[c]})" if classes[c] else c for c in order], fontsize=8)
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    clock = "parallel clock (s): each round as long as its slowest device" if parallel else "wall clock (s)"
+    ax.set_xlabel(clock)
+    handles: list[Any] = [Patch(color=COLOURS[k], label=k) for k in COLOURS if k in used]
+    if "train_only" in used:
+        handles.append(
+            Patch(facecolor="none", edgecolor=COLOURS["compute"], hatch="///", label="trained, not uploaded")
+        )
+    if deadlines:
+        later = len(deadlines) - len(shown)
+        label = "round deadline" + (f" ({later} after the last round's end, not shown)" if later else "")
+        handles.append(Line2D([], [], color="darkred", linestyle="dashed", label=label))
+    else:
+        handles.append(Line2D([], [], color="none", label="no deadline (in-process: every client is waited for)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    ax.set_title(title)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below the axis label
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
