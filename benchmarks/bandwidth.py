@@ -6,8 +6,8 @@ codec. Each run goes in-process (``server.experiments.inprocess``: the server an
 clients one after another, every message encoded and decoded as over MQTT), one run at a time. Per run: final
 accuracy after R rounds, the first round reaching 97%, bytes up per update as the server received them (frame bytes,
 header included), bytes up and all bytes (up and down) moved until 97%. Ratios are against fp32 of the same algorithm
-and partition. Beside them, FedAvg with ``train.downlink_codec = "int8"`` (the model difference to devices holding the
-last model) shows what the downlink adds to all bytes moved.
+and partition. Beside them, FedAvg with ``train.downlink_codec = "int8"`` (each round's model broadcast as the int8
+difference from the last one) shows what the downlink adds to all bytes moved.
 
 Targets (issue 18): ``int8`` at most 0.27x the bytes up of fp32 with final accuracy within 0.3 points;
 ``topk:0.01+int8`` at most 0.03x the bytes up, final accuracy within 1 point, bytes up to 97% at most 0.1x.

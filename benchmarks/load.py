@@ -1,22 +1,30 @@
-"""Benchmark 6: load test of one mosquitto and the real server with many protocol-level clients (issue 7, "Load").
+"""Benchmark 6: load test of one mosquitto and the real server with many protocol-level clients (issue 16, "Load").
 
-The REAL ``server.orchestrator.Orchestrator`` (FedAvg) runs in this process against a mosquitto started by
+The REAL ``server.orchestrator.Orchestrator`` (FedAvg) runs in a process of its own against a mosquitto started by
 ``server.broker.Broker`` (one login per device, the edgefl ACL). The clients do not train: each is a real
 ``edge_client.transport.MqttLink`` with its own credentials, run by a few worker processes (one thread per link),
-that says hello, takes every assignment and answers it with a real encoded ``Update`` through the same chunked
-publish path devices use. The update of client ``i`` in round ``r`` is
+that says hello, keeps each round's model from the broadcast (verified against its sha256; asking the server for one
+it missed) and answers every assignment with a real encoded ``Update`` through the chunked publish path devices use.
+The update of client ``i`` in round ``r`` is
 
     delta_i,r = float32(SCALE * c_i * r) * BASE,   c_i = 1 + i / N,   BASE[j] = 1 + (j mod 16) / 16
 
 so FedAvg's result is known in closed form: ``w_r = w_{r-1} - mean_i delta_i,r``. After every round the observer
 reads the server's checkpoint and checks it against that, element by element, with a tolerance 25 times smaller
 than any one client's contribution: an update lost, counted twice or corrupted fails the round. It also records
-what the server's metrics row says (clients reported, rejections by reason, bytes), the server's and the broker's
-peak resident memory during the round (psutil, sampled every 20 ms) and each worker process's peak.
+what the server's metrics row says (clients reported, rejections by reason, the server's egress ``bytes_out``), the
+server's and the broker's peak resident memory during the round (psutil, sampled every 20 ms) and each worker
+process's peak.
 
-    python -m benchmarks.load [--clients 200] [--rounds 20] [--params 1000000] [--workers 4] [--quick] [--out DIR]
+The federation runs at a quarter, half and all of ``--clients`` (250, 500 and 1000 for ``--clients 1000``), each
+size with a fresh broker and a fresh server process, so the server's peak memory of each size is its own. The file
+descriptor limit (RLIMIT_NOFILE) is raised to what the largest size needs, when the hard limit allows, before the
+broker starts (it inherits it).
 
-Full: 200 clients, 20 rounds, an MLP of about 1M parameters. Quick (CI): 20 clients, 3 rounds, about 100k.
+    python -m benchmarks.load [--clients 1000] [--rounds 10] [--params 100000] [--workers 4] [--chunk-size 131072]
+                              [--quick] [--out DIR]
+
+Quick (CI): 20 clients (5, 10, 20), 3 rounds, about 100k parameters.
 """
 
 from __future__ import annotations
@@ -73,26 +81,67 @@ def client_index(cid: str) -> int:
 
 # ------------------------------------------------------------------------------------------------ client workers
 def _serve_link(
-    cid: str, password: str, url: str, clients: int, base: np.ndarray, stats: dict[str, Any], lock: threading.Lock
+    cid: str,
+    password: str,
+    url: str,
+    clients: int,
+    base: np.ndarray,
+    chunk_size: int,
+    stats: dict[str, Any],
+    lock: threading.Lock,
 ) -> None:
-    """One device at protocol level: hello, then answer each assignment with the deterministic update until stop."""
-    from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode
+    """One device at protocol level: hello, keep the round models it is sent (asking the server for one it missed, as
+    ``edge_client.runtime`` does), answer each assignment with the deterministic update until stop."""
+    from edge_client.models_cache import ModelCache
+    from edge_client.protocol import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update, encode
     from edge_client.topics import Topics
     from edge_client.transport import LinkConfig, MqttLink
 
     topics = Topics(JOB)
     index = client_index(cid)
+    models = ModelCache(keep=1)
+    waiting: list[Assignment] = []
     link: MqttLink
 
     def hello() -> None:
         link.publish(topics.up(cid), encode(Hello(client_id=cid, num_samples=1, device={"hostname": "load"})))
 
+    def answer(a: Assignment) -> None:
+        if a.model_sha256 not in models:
+            waiting[:] = [a]
+            link.publish(topics.up(cid), encode(ModelRequest(a.round, cid, a.model_sha256, run_id=a.run_id)))
+            with lock:
+                stats["model_requests"] += 1
+            return
+        waiting.clear()
+        size = models.complete(a).weights.size  # type: ignore[union-attr]
+        if size != base.size:
+            raise ValueError(f"{cid}: the round's model has {size} weights, expected {base.size}")
+        update = Update(
+            round=a.round,
+            model_version=a.model_version,
+            client_id=cid,
+            num_samples=1,
+            local_steps=a.local_steps,
+            compute_s=0.0,
+            cpu_s=0.0,
+            train_loss=0.0,
+            delta=delta_for(base, index, clients, a.round),
+            run_id=a.run_id,
+        )
+        link.publish(topics.up(cid), encode(update))
+        if not link.wait_published(timeout=a.deadline_s):
+            raise TimeoutError(f"{cid}: round {a.round} update not acknowledged in {a.deadline_s} s")
+        with lock:
+            stats["updates_sent"] += 1
+
     link = MqttLink(
-        LinkConfig(url, cid, password),
+        LinkConfig(url, cid, password, chunk_size=chunk_size),
         f"edgefl-{JOB}-{cid}",
-        [topics.down(cid), topics.broadcast, topics.server],
+        [topics.down(cid), topics.broadcast, topics.server, topics.round_model_frames],
         will=(topics.up(cid), encode(Presence(client_id=cid, online=False, reason="connection lost")), False),
         on_connect=hello,
+        retained_once=[topics.round_model_frames],
     )
     link.start()
     try:
@@ -105,42 +154,34 @@ def _serve_link(
                 break
             if isinstance(msg, Presence) and msg.role == "server" and msg.online:
                 hello()
-            elif isinstance(msg, Assignment):
-                if msg.weights.size != base.size:
-                    raise ValueError(f"{cid}: assignment carries {msg.weights.size} weights, expected {base.size}")
-                update = Update(
-                    round=msg.round,
-                    model_version=msg.model_version,
-                    client_id=cid,
-                    num_samples=1,
-                    local_steps=msg.local_steps,
-                    compute_s=0.0,
-                    cpu_s=0.0,
-                    train_loss=0.0,
-                    delta=delta_for(base, index, clients, msg.round),
-                    run_id=msg.run_id,
-                )
-                link.publish(topics.up(cid), encode(update))
-                if not link.wait_published(timeout=msg.deadline_s):
-                    raise TimeoutError(f"{cid}: round {msg.round} update not acknowledged in {msg.deadline_s} s")
+            elif isinstance(msg, GlobalModel):
+                if not models.add(msg):
+                    raise ValueError(f"{cid}: round {msg.round}'s model does not hash to its digest")
                 with lock:
-                    stats["updates_sent"] += 1
+                    stats["models_received"] += 1
+                if waiting and waiting[0].model_sha256 == msg.sha256:
+                    answer(waiting[0])
+            elif isinstance(msg, Assignment):
+                answer(msg)
         link.wait_published(timeout=10.0)
     except Exception as exc:  # reported to the parent: a dead client must not pass unnoticed
         with lock:
             stats["errors"].append(f"{cid}: {type(exc).__name__}: {exc}")
     finally:
+        with lock:
+            stats["bytes_in"] += link.bytes_in
         link.stop()
 
 
-def worker(logins: list[tuple[str, str]], url: str, clients: int, params: int, results: Any) -> None:
+def worker(logins: list[tuple[str, str]], url: str, clients: int, params: int, chunk_size: int, results: Any) -> None:
     """A worker process holding many links (one thread each); reports its counters and peak RSS when all stop."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {os.getpid()} %(levelname)s %(name)s: %(message)s")
-    stats: dict[str, Any] = {"pid": os.getpid(), "links": len(logins), "updates_sent": 0, "errors": []}
+    stats: dict[str, Any] = {"pid": os.getpid(), "links": len(logins), "updates_sent": 0, "model_requests": 0,
+                             "models_received": 0, "bytes_in": 0, "errors": []}  # fmt: skip
     lock = threading.Lock()
     base = base_vector(params)  # read-only, shared by the links of this process
     threads = [
-        threading.Thread(target=_serve_link, args=(cid, pw, url, clients, base, stats, lock), daemon=True)
+        threading.Thread(target=_serve_link, args=(cid, pw, url, clients, base, chunk_size, stats, lock), daemon=True)
         for cid, pw in logins
     ]
     for t in threads:
@@ -205,7 +246,7 @@ class Checker:
 
     def round_done(self, row: dict[str, Any]) -> None:
         r = row["round"]
-        with np.load(self.out_dir / "checkpoint.npz") as ck:
+        with np.load(self.out_dir / "checkpoint.npz") as ck:  # written with this row
             weights = ck["weights"].astype(np.float64)
         scale = np.mean([np.float32(SCALE * coefficient(i, self.clients) * r) for i in range(self.clients)])
         mean_update = scale * self.base
@@ -230,16 +271,18 @@ class Checker:
                 "aggregate_tolerance_max": float(tol.max()),
                 "one_client_contribution_min": float(one_client),
                 "bytes_up": sum(c["bytes_up"] for c in row["clients"].values()),
-                "bytes_down": sum(i["bytes_down"] for i in row["instructions"].values()),
+                "bytes_out": row["bytes_out"],
+                "assignment_bytes": sum(i["bytes_down"] for i in row["instructions"].values()),
                 "server_peak_rss_mb": peaks["server"],
                 "broker_peak_rss_mb": peaks["broker"],
             }
         )
         print(
-            f"round {r:3d}: {row['round_s']:.2f} s, {row['clients_reported']}/{row['clients_selected']} reported, "
-            f"rejected {row['rejected'] or 'none'}, "
+            f"{self.clients} clients, round {r:3d}: {row['round_s']:.2f} s, {row['clients_reported']}/"
+            f"{row['clients_selected']} reported, rejected {row['rejected'] or 'none'}, "
             f"aggregate {'exact' if self.rounds[-1]['aggregate_exact'] else 'WRONG'}, "
-            f"server peak {peaks['server']:.0f} MB, broker peak {peaks['broker']:.0f} MB",
+            f"out {row['bytes_out'] / 2**20:.1f} MiB, server peak {peaks['server']:.0f} MB, "
+            f"broker peak {peaks['broker']:.0f} MB",
             file=sys.stderr,
             flush=True,
         )
@@ -268,11 +311,33 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: Path | None) -> dict[str, Any]:
+def sizes_for(clients: int) -> list[int]:
+    """A quarter, half and all of ``clients`` (distinct, at least 1)."""
+    return sorted({max(1, clients // 4), max(1, clients // 2), clients})
+
+
+def raise_fd_limit(needed: int) -> dict[str, int]:
+    """Raise RLIMIT_NOFILE's soft limit to ``needed`` (up to the hard limit); the limits before and after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = soft if soft >= needed else min(needed, hard) if hard != resource.RLIM_INFINITY else needed
+    if target != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return {"soft_before": soft, "soft": target, "hard": hard, "needed": needed}
+
+
+def fds_needed(clients: int) -> int:
+    """Descriptors the broker needs (one socket per device plus the server and its own files), with room to spare;
+    each worker process needs about 3 per link (socket and paho's wake-up pair), the workers share the clients."""
+    return 2 * clients + 256
+
+
+def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: int) -> dict[str, Any]:
+    """One federation of ``clients`` devices through a fresh broker, the server in this process."""
     import torch
 
     from edge_client.data import ArrayDataset
     from edge_client.models import build_model, get_flat
+    from edge_client.protocol import GlobalModel, encode, model_digest
     from edge_client.transport import LinkConfig
     from server.broker import Broker, BrokerSettings
     from server.config import from_dict
@@ -294,17 +359,20 @@ def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: 
         config = from_dict(
             {
                 "run": {"rounds": rounds, "out": str(tmp / "run"), "job": JOB, "target_accuracy": 1.0},
-                "clients": {"count": clients, "register_timeout_s": 300.0, "round_deadline_s": 600.0},
+                "clients": {"count": clients, "register_timeout_s": 600.0, "round_deadline_s": 600.0},
                 "train": {"algorithm": "fedavg", "local_steps": 1, "batch_size": 1, "lr": 0.1},
             }
         )
         torch.manual_seed(config.run.seed)  # what Orchestrator.run does before it builds the initial model
         w0 = get_flat(build_model(spec))
+        model_bytes = len(encode(GlobalModel(0, 0, model_digest(w0, {}), w0)))
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         logins = [(cid, broker.devices[cid].password) for cid in ids]
         procs = [
-            ctx.Process(target=worker, args=(logins[k::workers], broker.url, clients, w0.size, results), daemon=True)
+            ctx.Process(
+                target=worker, args=(logins[k::workers], broker.url, clients, w0.size, chunk_size, results), daemon=True
+            )
             for k in range(workers)
         ]
         for p in procs:
@@ -313,7 +381,7 @@ def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: 
         checker = Checker(tmp / "run", w0, clients, sampler)
         orch = Orchestrator(
             config,
-            LinkConfig(broker.url, broker.server.username, broker.server.password),
+            LinkConfig(broker.url, broker.server.username, broker.server.password, chunk_size=chunk_size),
             Evaluator(spec, test),
             spec,
             tmp / "run",
@@ -322,28 +390,17 @@ def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: 
         t0 = time.perf_counter()
         summary = orch.run()
         wall = time.perf_counter() - t0
-        worker_stats = [results.get(timeout=120) for _ in procs]
+        worker_stats = [results.get(timeout=300) for _ in procs]
         for p in procs:
             p.join(timeout=30)
         broker_log = broker.log_path.read_text(errors="replace")
     per_round = checker.rounds
     times = [r["round_s"] for r in per_round]
     data: dict[str, Any] = {
-        "name": NAME,
-        "quick": quick,
-        "machine": machine(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {
-            "clients": clients,
-            "rounds": rounds,
-            "params_requested": params,
-            "params": int(w0.size),
-            "model": spec,
-            "workers": workers,
-            "update_bytes": int(w0.nbytes),
-            "test_images": TEST_IMAGES,
-            "broker": {"max_inflight_messages": 20, "max_queued_messages": 10000, "max_packet_size": 16 * 2**20},
-        },
+        "clients": clients,
+        "params": int(w0.size),
+        "update_bytes": int(w0.nbytes),
+        "model_message_bytes": model_bytes,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "wall_s": wall,
@@ -351,16 +408,23 @@ def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: 
         "round_s": {"median": statistics.median(times), "p95": _pct(times, 0.95), "max": max(times)},
         "bytes_per_round": {
             "up": statistics.median(r["bytes_up"] for r in per_round),
-            "down": statistics.median(r["bytes_down"] for r in per_round),
+            "out": statistics.median(r["bytes_out"] for r in per_round),
+            "out_max": max(r["bytes_out"] for r in per_round),
+            "assignments": statistics.median(r["assignment_bytes"] for r in per_round),
         },
         "rejected_total": summary.get("rejected", {}),
         "workers_report": worker_stats,
         "client_errors": [e for w in worker_stats for e in w["errors"]],
         "updates_sent": sum(w["updates_sent"] for w in worker_stats),
+        "model_requests": sum(w["model_requests"] for w in worker_stats),
+        "models_received": sum(w["models_received"] for w in worker_stats),
         "broker_dropped_messages": "Outgoing messages are being dropped" in broker_log,
+        "server_peak_rss_mb": max(r["server_peak_rss_mb"] for r in per_round),
+        "broker_peak_rss_mb": max(r["broker_peak_rss_mb"] for r in per_round),
         "server_memory": memory_verdict(per_round, "server_peak_rss_mb"),
-        "broker_memory": memory_verdict(per_round, "broker_peak_rss_mb"),
     }
+    # one model per round: the broadcast (plus one per device that had to ask) and the small assignments
+    allowed_out = (1 + data["model_requests"]) * model_bytes * 1.01 + 4096 * clients
     data["checks"] = {
         "all_rounds_ran": len(per_round) == rounds,
         "no_update_lost": all(r["clients_reported"] == clients and not r["missing"] for r in per_round)
@@ -368,9 +432,72 @@ def run(clients: int, rounds: int, params: int, workers: int, quick: bool, out: 
         "no_duplicate_accepted": all(r["clients_reported"] <= clients for r in per_round)
         and not any(r["rejected"].get("duplicate") for r in per_round),
         "aggregate_exact": all(r["aggregate_exact"] for r in per_round),
+        "one_model_per_round": all(r["bytes_out"] <= allowed_out for r in per_round),
         "server_memory_bounded": data["server_memory"]["bounded"],
         "no_client_errors": not data["client_errors"],
     }
+    return data
+
+
+def _size_process(args: tuple[int, int, int, int, int], results: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        results.put(run_size(*args))
+    except BaseException as exc:  # the parent reports it
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+
+
+def run(
+    clients: int, rounds: int, params: int, workers: int, chunk_size: int, quick: bool, out: Path | None
+) -> dict[str, Any]:
+    """Every size of ``sizes_for(clients)``, one after another, each with its server in a process of its own."""
+    fd = raise_fd_limit(fds_needed(clients))
+    ctx = mp.get_context("spawn")
+    runs = []
+    for n in sizes_for(clients):
+        results = ctx.Queue()
+        proc = ctx.Process(target=_size_process, args=((n, rounds, params, workers, chunk_size), results))
+        proc.start()
+        result = results.get()  # the child ends only after this is read (its queue feeder flushes first)
+        proc.join()
+        if "error" in result:
+            raise RuntimeError(f"the run with {n} clients failed: {result['error']}")
+        runs.append(result)
+    data: dict[str, Any] = {
+        "name": NAME,
+        "quick": quick,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {
+            "clients": clients,
+            "sizes": sizes_for(clients),
+            "rounds": rounds,
+            "params_requested": params,
+            "params": runs[0]["params"],
+            "model": model_spec(params),
+            "workers": workers,
+            "chunk_size": chunk_size,
+            "update_bytes": runs[0]["update_bytes"],
+            "test_images": TEST_IMAGES,
+            "broker": {"max_inflight_messages": 20, "max_queued_messages": 10000, "max_packet_size": 16 * 2**20},
+        },
+        "fd_limit": fd,
+        "runs": runs,
+    }
+    small, large = runs[0], runs[-1]
+    flat_bound = MEMORY_SLACK * small["server_peak_rss_mb"] + MEMORY_SLACK_MB
+    data["server_memory_across_sizes"] = {
+        "smallest_mb": small["server_peak_rss_mb"],
+        "largest_mb": large["server_peak_rss_mb"],
+        "bound_mb": flat_bound,
+        "flat": large["server_peak_rss_mb"] <= flat_bound,
+        "mb_per_100_clients": (large["server_peak_rss_mb"] - small["server_peak_rss_mb"])
+        / max(1, large["clients"] - small["clients"])
+        * 100,
+    }
+    data["checks"] = {k: all(r["checks"][k] for r in runs) for k in runs[0]["checks"]}
+    data["checks"]["server_memory_flat_across_sizes"] = data["server_memory_across_sizes"]["flat"]
     write_results(NAME, data, render(data), out)
     return data
 
@@ -379,17 +506,24 @@ def _verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
 def render(data: dict[str, Any]) -> str:
-    cfg, checks, rt = data["config"], data["checks"], data["round_s"]
-    sm, bm = data["server_memory"], data["broker_memory"]
+    cfg, checks, runs = data["config"], data["checks"], data["runs"]
+    mem = data["server_memory_across_sizes"]
+    fd = data["fd_limit"]
     cmd = "python -m benchmarks.load" + (
         " --quick"
         if data["quick"]
-        else f" --clients {cfg['clients']} --rounds {cfg['rounds']} "
-        f"--params {cfg['params_requested']} --workers {cfg['workers']}"
+        else f" --clients {cfg['clients']} --rounds {cfg['rounds']} --params {cfg['params_requested']} "
+        f"--workers {cfg['workers']} --chunk-size {cfg['chunk_size']}"
     )
-    rounds = data["per_round"]
-    worst_err = max(r["aggregate_max_error"] / r["one_client_contribution_min"] for r in rounds)
+    worst_err = max(
+        r["aggregate_max_error"] / r["one_client_contribution_min"] for run in runs for r in run["per_round"]
+    )
+    sizes = ", ".join(str(n) for n in cfg["sizes"])
     lines = [
         "## 6. Load: many protocol-level clients through one mosquitto",
         "",
@@ -397,77 +531,121 @@ def render(data: dict[str, Any]) -> str:
         "",
         machine_line(data["machine"]),
         "",
-        f"Load average (1/5/15 min) before {'/'.join(f'{x:.1f}' for x in data['loadavg_before'])}, after "
-        f"{'/'.join(f'{x:.1f}' for x in data['loadavg_after'])}.",
+        "Load average (1/5/15 min) before / after each size: "
+        + "; ".join(
+            f"{r['clients']} clients {'/'.join(f'{x:.1f}' for x in r['loadavg_before'])} -> "
+            f"{'/'.join(f'{x:.1f}' for x in r['loadavg_after'])}"
+            for r in runs
+        )
+        + ". Times are wall clock (`time.monotonic` in the server process) on this shared machine.",
         "",
-        f"Setup: the real orchestrator (FedAvg) and a mosquitto from `server.broker.Broker` (one login per device, the "
-        f"ACL; max_inflight_messages {cfg['broker']['max_inflight_messages']}, max_queued_messages "
-        f"{cfg['broker']['max_queued_messages']}, max_packet_size {cfg['broker']['max_packet_size']}); "
-        f"{cfg['clients']} `MqttLink` clients in {cfg['workers']} worker processes, no training; model "
-        f"{cfg['model']} = {cfg['params']} parameters, {cfg['update_bytes']} bytes per update and per assignment; "
-        f"{cfg['rounds']} rounds; evaluation on {cfg['test_images']} made-up images.",
+        f"Setup: the real orchestrator (FedAvg) in a process of its own and a fresh mosquitto from "
+        f"`server.broker.Broker` for each size (one login per device, the ACL; max_inflight_messages "
+        f"{cfg['broker']['max_inflight_messages']}, max_queued_messages {cfg['broker']['max_queued_messages']}, "
+        f"max_packet_size {cfg['broker']['max_packet_size']}); {sizes} `MqttLink` clients in {cfg['workers']} worker "
+        f"processes, no training; model {cfg['model']} = {cfg['params']} parameters, {cfg['update_bytes']} bytes "
+        f"per update; chunk size {cfg['chunk_size']} bytes on both sides (every update and the broadcast travel as "
+        f"chunk frames); {cfg['rounds']} rounds; evaluation on {cfg['test_images']} made-up images. File descriptors: "
+        f"RLIMIT_NOFILE soft {fd['soft_before']} -> {fd['soft']} (hard {fd['hard']}; {fd['needed']} wanted for the "
+        "largest size).",
+        "",
+        "| clients | server peak RSS MB | broker peak RSS MB | round s median / p95 / max | server egress per round "
+        "MiB (model message; assignments) | updates in per round MiB | updates accepted | devices that asked for the "
+        "model | aggregate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        rt, b = r["round_s"], r["bytes_per_round"]
+        reported = [x["clients_reported"] for x in r["per_round"]]
+        lines.append(
+            f"| {r['clients']} | {r['server_peak_rss_mb']:.0f} | {r['broker_peak_rss_mb']:.0f} | "
+            f"{rt['median']:.2f} / {rt['p95']:.2f} / {rt['max']:.2f} | {_mib(b['out'])} "
+            f"({_mib(r['model_message_bytes'])}; {_mib(b['assignments'])}) | {_mib(b['up'])} | "
+            f"{min(reported)}-{max(reported)} of {r['clients']} every round, {r['updates_sent']} sent | "
+            f"{r['model_requests']} | {'exact every round' if r['checks']['aggregate_exact'] else 'WRONG'} |"
+        )
+    lines += [
         "",
         "| figure | measured | target | result |",
         "|---|---|---|---|",
-        f"| updates accepted per round | min {min(r['clients_reported'] for r in rounds)}, max "
-        f"{max(r['clients_reported'] for r in rounds)} of {cfg['clients']}; {data['updates_sent']} sent | every "
-        f"client, every round | {_verdict(checks['no_update_lost'] and checks['all_rounds_ran'])} |",
-        f"| duplicates accepted | rejections {data['rejected_total'] or 'none'} | none | "
+        f"| updates accepted | every round of every size: {all(r['checks']['no_update_lost'] for r in runs)} | "
+        f"every client, every round | {_verdict(checks['no_update_lost'] and checks['all_rounds_ran'])} |",
+        f"| duplicates accepted | rejections {[r['rejected_total'] or 'none' for r in runs]} | none | "
         f"{_verdict(checks['no_duplicate_accepted'])} |",
         f"| aggregate vs closed form | worst error {worst_err:.3f} of one client's smallest contribution | "
         f"every element within tolerance | {_verdict(checks['aggregate_exact'])} |",
-        f"| server peak RSS, late rounds vs early | {sm['late_max_mb']:.0f} MB vs {sm['early_max_mb']:.0f} MB "
-        f"(trend {sm['slope_mb_per_round']:+.1f} MB/round) | "
-        f"<= {MEMORY_SLACK} x early + {MEMORY_SLACK_MB:.0f} MB = {sm['bound_mb']:.0f} MB | "
-        f"{_verdict(checks['server_memory_bounded'])} |",
-        f"| client errors | {len(data['client_errors'])} | 0 | {_verdict(checks['no_client_errors'])} |",
-        "",
-        f"Round time: median {rt['median']:.2f} s, p95 {rt['p95']:.2f} s, max {rt['max']:.2f} s; total "
-        f"{data['wall_s']:.1f} s. Per round {data['bytes_per_round']['down'] / 2**20:.0f} MiB down and "
-        f"{data['bytes_per_round']['up'] / 2**20:.0f} MiB up (medians). Broker peak RSS: early "
-        f"{bm['early_max_mb']:.0f} MB, late {bm['late_max_mb']:.0f} MB; broker dropped messages: "
-        f"{'YES' if data['broker_dropped_messages'] else 'no'}. Worker processes' peak RSS: "
-        + ", ".join(f"{w['peak_rss_mb']:.0f} MB ({w['links']} links)" for w in data["workers_report"])
-        + ".",
-        "",
-        "| round | round s | aggregate s | eval s | reported | rejected | MiB down | MiB up | server peak MB | "
-        "broker peak MB | aggregate |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rounds:
-        lines.append(
-            f"| {r['round']} | {r['round_s']:.2f} | {r['aggregate_s']:.3f} | {r['eval_s']:.3f} | "
-            f"{r['clients_reported']}/{r['clients_selected']} | {r['rejected'] or '-'} | {r['bytes_down'] / 2**20:.0f} "
-            f"| {r['bytes_up'] / 2**20:.0f} | {r['server_peak_rss_mb']:.0f} | {r['broker_peak_rss_mb']:.0f} | "
-            f"{'exact' if r['aggregate_exact'] else 'WRONG'} |"
+        f"| server egress per round | max {max(_mib(r['bytes_per_round']['out_max']) for r in runs)} MiB; model "
+        f"message {_mib(runs[-1]['model_message_bytes'])} MiB | one model (plus one per device that asked) and "
+        f"about 0.5 kB per assignment | {_verdict(checks['one_model_per_round'])} |",
+        f"| server peak RSS, {runs[-1]['clients']} vs {runs[0]['clients']} clients | {mem['largest_mb']:.0f} MB vs "
+        f"{mem['smallest_mb']:.0f} MB ({mem['mb_per_100_clients']:+.1f} MB per 100 clients) | <= {MEMORY_SLACK} x "
+        f"smallest + {MEMORY_SLACK_MB:.0f} MB = {mem['bound_mb']:.0f} MB | "
+        f"{_verdict(checks['server_memory_flat_across_sizes'])} |",
+        "| server peak RSS within each run, late rounds vs early | "
+        + "; ".join(
+            f"{r['clients']}: {r['server_memory']['late_max_mb']:.0f} vs {r['server_memory']['early_max_mb']:.0f} MB"
+            for r in runs
         )
-    if data["client_errors"]:
-        lines += ["", "Client errors (first 10):", "", *(f"- {e}" for e in data["client_errors"][:10])]
+        + f" | <= {MEMORY_SLACK} x early + {MEMORY_SLACK_MB:.0f} MB | {_verdict(checks['server_memory_bounded'])} |",
+        f"| client errors | {sum(len(r['client_errors']) for r in runs)} | 0 | "
+        f"{_verdict(checks['no_client_errors'])} |",
+        "",
+        "Broker dropped messages: "
+        + ", ".join(f"{r['clients']}: {'YES' if r['broker_dropped_messages'] else 'no'}" for r in runs)
+        + ". Worker processes' peak RSS (largest size): "
+        + ", ".join(f"{w['peak_rss_mb']:.0f} MB ({w['links']} links)" for w in runs[-1]["workers_report"])
+        + ".",
+    ]
+    for r in runs:
+        lines += [
+            "",
+            f"{r['clients']} clients, per round:",
+            "",
+            "| round | round s | aggregate s | eval s (beside the next round) | reported | rejected | MiB out | "
+            "MiB up | server peak MB | broker peak MB | aggregate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for x in r["per_round"]:
+            lines.append(
+                f"| {x['round']} | {x['round_s']:.2f} | {x['aggregate_s']:.3f} | {x['eval_s']:.3f} | "
+                f"{x['clients_reported']}/{x['clients_selected']} | {x['rejected'] or '-'} | {_mib(x['bytes_out'])} "
+                f"| {_mib(x['bytes_up'])} | {x['server_peak_rss_mb']:.0f} | {x['broker_peak_rss_mb']:.0f} | "
+                f"{'exact' if x['aggregate_exact'] else 'WRONG'} |"
+            )
+        if r["client_errors"]:
+            lines += ["", "Client errors (first 10):", "", *(f"- {e}" for e in r["client_errors"][:10])]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="20 clients, 3 rounds, ~100k parameters (CI)")
-    parser.add_argument("--clients", type=int, default=None, help="protocol-level clients (default 200, quick 20)")
-    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 20, quick 3)")
-    parser.add_argument("--params", type=int, default=None, help="model size (default 1000000, quick 100000)")
+    parser.add_argument("--quick", action="store_true", help="20 clients (5, 10, 20), 3 rounds, ~100k parameters (CI)")
+    parser.add_argument(
+        "--clients", type=int, default=None, help="largest size; also run at 1/4 and 1/2 (default 1000)"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="rounds per size (default 10, quick 3)")
+    parser.add_argument("--params", type=int, default=100_000, help="model size (default 100000)")
     parser.add_argument("--workers", type=int, default=4, help="client worker processes (default 4)")
+    parser.add_argument("--chunk-size", type=int, default=128 << 10, help="chunk size of every link (default 128 KiB)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: benchmarks/results)")
     args = parser.parse_args(argv)
-    clients = args.clients or (20 if args.quick else 200)
-    rounds = args.rounds or (3 if args.quick else 20)
-    params = args.params or (100_000 if args.quick else 1_000_000)
-    for flag, value, low in (("--clients", clients, 1), ("--rounds", rounds, 2), ("--params", params, 100)):
+    clients = args.clients or (20 if args.quick else 1000)
+    rounds = args.rounds or (3 if args.quick else 10)
+    checks = (("--clients", clients, 4), ("--rounds", rounds, 2), ("--params", args.params, 100),
+              ("--chunk-size", args.chunk_size, 4096))  # fmt: skip
+    for flag, value, low in checks:
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    data = run(clients, rounds, params, args.workers, args.quick, args.out)
+    data = run(clients, rounds, args.params, args.workers, args.chunk_size, args.quick, args.out)
     failed = [k for k, ok in data["checks"].items() if not ok]
     print(
-        f"load: {clients} clients x {rounds} rounds x {data['config']['params']} params: round median "
-        f"{data['round_s']['median']:.2f} s, p95 {data['round_s']['p95']:.2f} s; "
-        + (f"FAILED {failed}" if failed else "all checks passed"),
+        f"load: {data['config']['sizes']} clients x {rounds} rounds x {data['config']['params']} params: server peak "
+        + ", ".join(f"{r['server_peak_rss_mb']:.0f} MB" for r in data["runs"])
+        + "; round median "
+        + ", ".join(f"{r['round_s']['median']:.2f} s" for r in data["runs"])
+        + "; "
+        + (f"MISSED {failed}" if failed else "all checks passed"),
         file=sys.stderr,
     )
     return 1 if failed else 0

@@ -10,14 +10,13 @@ part is read with ``np.frombuffer`` (no copy); decoding is one vectorised pass t
 
 Nothing here trusts a received frame: :func:`decode_wire` checks the descriptor, counts, indices and scales before it
 allocates, and raises a :class:`CodecError` whose ``reason`` names what was wrong. Besides the codecs, this module
-holds the model difference a server may send instead of a model (:func:`encode_model_diff`, :func:`apply_model_diff`,
-both checked with the sha256 of the resulting float32 vector) and the rules an algorithm's contract uses to say
-which codecs an array allows (:data:`RULES`). Dependencies: numpy only.
+holds the model difference a server may broadcast instead of a model (:func:`encode_model_diff`; a device adds it to
+the model it holds and checks the result's digest, ``edge_client.models_cache``) and the rules an algorithm's contract
+uses to say which codecs an array allows (:data:`RULES`). Dependencies: numpy only.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -69,10 +68,6 @@ class BadValues(CodecError):
     """Encoded values that are not finite (float16 or top-k float32 entries)."""
 
     reason = "non_finite"
-
-
-class ModelMismatch(ValueError):
-    """A model difference for a model this device does not hold, or whose result fails the hash check."""
 
 
 #: Every reason an encoded vector can be refused with.
@@ -318,11 +313,6 @@ def decode(enc: Encoded) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------ model difference
-def digest(weights: np.ndarray) -> str:
-    """sha256 of a model's float32 little-endian bytes: what a device checks a reconstructed model against."""
-    return hashlib.sha256(np.ascontiguousarray(weights, F4).data).hexdigest()
-
-
 def encode_model_diff(
     base: np.ndarray, target: np.ndarray, spec: CodecSpec, rng: np.random.Generator
 ) -> tuple[Encoded | np.ndarray, np.ndarray]:
@@ -334,14 +324,3 @@ def encode_model_diff(
     diff = encode(np.subtract(target, base, dtype=np.float32), spec, rng)
     rebuilt = np.add(base, diff if isinstance(diff, np.ndarray) else decode(diff), dtype=np.float32)
     return diff, rebuilt
-
-
-def apply_model_diff(base: np.ndarray, diff: np.ndarray, expected_sha256: str) -> np.ndarray:
-    """``base + diff`` (the decoded difference), if its sha256 is the one announced; else ModelMismatch."""
-    if base.shape != diff.shape:
-        raise ModelMismatch(f"a model difference of {diff.size} entries for a model of {base.size}")
-    rebuilt = np.add(base, diff, dtype=np.float32)
-    got = digest(rebuilt)
-    if got != expected_sha256:
-        raise ModelMismatch(f"the rebuilt model's sha256 {got[:12]}... is not the announced {expected_sha256[:12]}...")
-    return rebuilt

@@ -1,6 +1,6 @@
 """What a device does with codecs (``edge_client.codecs``): each uploaded array sent with the codec its assignment
 and its algorithm's contract allow, top-k residuals carried into the next upload (error feedback, kept across
-restarts), and the model it keeps so that the server may send the next one as a difference."""
+restarts). Model differences the server broadcasts are applied where models are kept (``edge_client.models_cache``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from edge_client import codecs
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.codecs import Encoded, ModelMismatch
+from edge_client.codecs import Encoded
 from edge_client.contract import UPDATE_DELTA
 from edge_client.protocol import Assignment
 
@@ -68,30 +68,3 @@ class Uplink:
         self.residuals = {
             k.removeprefix("residual:"): np.asarray(v, np.float32) for k, v in state.items() if k != "run_id"
         }
-
-
-class HeldModel:
-    """The model the device last trained from, kept while the server announces its sha256 (``model_sha256``)."""
-
-    def __init__(self) -> None:
-        self.sha256 = ""
-        self.weights: np.ndarray | None = None
-
-    def resolve(self, a: Assignment) -> np.ndarray | None:
-        """The model to train from: the assignment's, or the held one plus its difference; ModelMismatch when this
-        device does not hold the difference's base or the result fails its hash check."""
-        if a.weights is None:
-            return None
-        if a.diff_base:
-            if not a.model_sha256:
-                raise ModelMismatch("a model difference without the sha256 of its result")
-            if self.weights is None or self.sha256 != a.diff_base:
-                held = self.sha256[:12] or "none"
-                raise ModelMismatch(f"a difference from model {a.diff_base[:12]}..., this device holds {held}")
-            weights = codecs.apply_model_diff(self.weights, a.weights, a.model_sha256)
-        else:
-            weights = a.weights
-            if a.model_sha256 and codecs.digest(weights) != a.model_sha256:
-                raise ModelMismatch(f"the model received does not have the announced sha256 {a.model_sha256[:12]}...")
-        self.sha256, self.weights = (a.model_sha256, weights) if a.model_sha256 else ("", None)
-        return weights

@@ -1,15 +1,17 @@
 """Wire protocol: typed messages, encode/decode and strict validation.
 
-A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one
-buffer fill and decoding is zero-copy (``np.frombuffer`` views into the payload). A vector may instead travel
-compressed (``edge_client.codecs``): its entry's dtype slot then holds the codec's wire descriptor and its raw parts
-follow in its place; decoding reads the parts zero-copy and writes one float32 vector. Everything a peer sends is
-untrusted: decode bounds the header parse and checks version, type, every field and every array before any
-message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds metrics.
+A frame is a msgpack header map followed by the raw little-endian float32 bytes of its arrays, so encoding is one buffer
+fill and decoding is zero-copy (``np.frombuffer`` views into the payload). A vector may instead travel compressed
+(``edge_client.codecs``: an update's arrays, a round model's difference): its entry's dtype slot then holds the codec's
+wire descriptor and its raw parts follow in its place; decoding reads the parts zero-copy and writes one float32 vector.
+Everything a peer sends is untrusted: decode bounds the header parse and checks version, type, every field and every
+array before any message object exists, and raises a specific :class:`ProtocolError` subclass whose ``reason`` feeds
+metrics.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import uuid
@@ -125,6 +127,9 @@ class Assignment:
 
     A strategy fills what the algorithm decides (steps tau, learning rate, TACO's alpha_i, the contract's settings
     and arrays, a model to start from other than the global one); the orchestrator fills the round's facts.
+    On the wire an assignment carries no model: ``weights`` and the arrays every client of the round shares travel
+    once per round in the :class:`GlobalModel` named by ``model_sha256``; ``arrays`` holds only this client's own,
+    and ``global_arrays`` names the shared ones this client uses. The device puts them back before training.
     """
 
     local_steps: int
@@ -133,7 +138,7 @@ class Assignment:
     alpha: float | None = None  # TACO's alpha_i, in every algorithm that uses it (its contract says so)
     settings: dict[str, Any] = field(default_factory=dict)  # the contract's device settings and per-round values
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    weights: np.ndarray | None = None  # None until the orchestrator puts in the global model
+    weights: np.ndarray | None = None  # not on the wire: the GlobalModel's weights (or the strategy's own start model)
     momentum: float = 0.0
     weight_decay: float = 0.0
     round: int = 0
@@ -144,13 +149,9 @@ class Assignment:
     upload: bool = True
     seed: int = 0
     run_id: str = ""
-    # Compression (edge_client.codecs): the codec this device uploads with; when ``diff_base`` is a model's sha256,
-    # ``weights`` is the difference from that model, and ``model_sha256`` the sha256 of the model to rebuild (set
-    # whenever the device should keep the model for the next round's difference).
-    codec: str = "fp32"
-    diff_base: str = ""
-    model_sha256: str = ""
-    codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
+    model_sha256: str = ""  # the GlobalModel this round starts from (model_digest of its weights and arrays)
+    global_arrays: list[str] = field(default_factory=list)  # the GlobalModel's arrays this client uses
+    codec: str = "fp32"  # the codec this device uploads with (edge_client.codecs)
     task: dict[str, Any] = field(default_factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
@@ -279,6 +280,52 @@ class ModelFile:
     TYPE: ClassVar[str] = "model"
 
 
+# ---- one model per round (issue 16): the round's model once for every device, and a device's request for it ----
+@dataclass
+class GlobalModel:
+    """Server -> every device, once per model version: the weights a round starts from and the arrays every client
+    of the round shares (contract arrays of scope "global"), named by ``sha256 = model_digest(weights, arrays)``.
+
+    Published on the job's round-model topics (retained where the broker keeps it); a device that missed it asks with
+    :class:`ModelRequest` and gets it on its own ``down`` topic.
+
+    With ``train.downlink_codec = "int8"`` the broadcast carries, when ``diff_base`` names the previous model, the
+    int8-coded difference from it as ``weights`` (decoded on receipt): a device holding that model adds it and checks
+    the result against ``sha256``; one that cannot asks, and is sent the full model.
+    """
+
+    round: int
+    model_version: int
+    sha256: str
+    weights: np.ndarray
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    run_id: str = ""
+    diff_base: str = ""  # sha256 of the model ``weights`` is the difference from; "" when ``weights`` is the model
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "global_model"
+
+
+@dataclass
+class ModelRequest:
+    """Device -> server: the model ``sha256`` its assignment of ``round`` names did not arrive; send it to me."""
+
+    round: int
+    client_id: str
+    sha256: str
+    run_id: str = ""
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "model_request"
+
+
+def model_digest(weights: np.ndarray, arrays: dict[str, np.ndarray]) -> str:
+    """sha256 of a model's float32 bytes and its named arrays (sorted by name): what assignments name it by."""
+    h = hashlib.sha256(np.ascontiguousarray(weights, DTYPE).data)
+    for name in sorted(arrays):
+        h.update(name.encode() + b"\0")
+        h.update(np.ascontiguousarray(arrays[name], DTYPE).data)
+    return h.hexdigest()
+
+
 @dataclass
 class ComputeReport:
     """Client -> server: it trained ``local_steps`` steps for ``round`` without uploading (FedUmf's unselected
@@ -346,6 +393,8 @@ Message = (
     | Presence
     | Stop
     | ModelFile
+    | GlobalModel
+    | ModelRequest
     | Evaluate
     | Evaluation
     | Refusal
@@ -412,6 +461,11 @@ def _dict(v: Any) -> str | None:
     return None if isinstance(v, dict) and all(isinstance(k, str) for k in v) else "a map with str keys"
 
 
+def _names(v: Any) -> str | None:
+    ok = isinstance(v, list) and len(v) <= 32 and all(isinstance(n, str) and 0 < len(n) <= 64 for n in v)
+    return None if ok and len(set(v)) == len(v) else "a list of at most 32 distinct names of 1-64 characters"
+
+
 def _codec(v: Any) -> str | None:
     try:
         codecs.parse(v)
@@ -432,6 +486,7 @@ _CID = _str(CLIENT_ID_RE)
 _TEXT = _str()
 _INT = _int()
 _RUN = _str(_RUN_ID_RE)
+_SHA256 = _str(_SHA256_RE)
 _SHA_OR_EMPTY = _str(re.compile(r"(?:[0-9a-f]{64})?"))
 
 # Wire field name -> (attribute name, check). Chunk uses the short names of docs/architecture.md.
@@ -459,9 +514,9 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "upload": ("upload", _bool),
         "seed": ("seed", _NONNEG),
         "run": ("run_id", _RUN),
+        "sha256": ("model_sha256", _SHA256),
+        "globals": ("global_arrays", _names),
         "codec": ("codec", _codec),
-        "diff_base": ("diff_base", _SHA_OR_EMPTY),
-        "model_sha256": ("model_sha256", _SHA_OR_EMPTY),
         "task": ("task", _dict),
     },
     "update": {
@@ -516,7 +571,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "cpu_s": ("cpu_s", _float(0.0)),
         "run": ("run_id", _RUN),
     },
-    "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _str(_SHA256_RE)), "meta": ("meta", _dict)},
+    "model": {"round": ("round", _NONNEG), "sha256": ("sha256", _SHA256), "meta": ("meta", _dict)},
     "evaluate": {
         "round": ("round", _NONNEG),
         "model_version": ("model_version", _NONNEG),
@@ -546,7 +601,20 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "n": ("count", _INT),
         "size": ("size", _INT),
         "cs": ("chunk_size", _INT),
-        "sha256": ("sha256", _str(_SHA256_RE)),
+        "sha256": ("sha256", _SHA256),
+    },
+    "global_model": {
+        "round": ("round", _NONNEG),
+        "model_version": ("model_version", _NONNEG),
+        "sha256": ("sha256", _SHA256),
+        "run": ("run_id", _RUN),
+        "diff_base": ("diff_base", _SHA_OR_EMPTY),
+    },
+    "model_request": {
+        "round": ("round", _NONNEG),
+        "client_id": ("client_id", _CID),
+        "sha256": ("sha256", _SHA256),
+        "run": ("run_id", _RUN),
     },
 }
 _CLASSES: dict[str, type] = {
@@ -560,6 +628,8 @@ _CLASSES: dict[str, type] = {
         Stop,
         ModelFile,
         Chunk,
+        GlobalModel,
+        ModelRequest,
         Evaluate,
         Evaluation,
         Refusal,
@@ -569,8 +639,9 @@ _CLASSES: dict[str, type] = {
     )
 }
 _BYTES = ("chunk", "model")  # types that carry one raw byte blob named "data" instead of float32 vectors
-_VECTOR = {"assignment": "weights", "update": "delta", "evaluate": "weights"}  # the required 1-D float32 vector
-_EXTRA_ARRAYS = ("assignment", "update")  # types that also carry named "x:<name>" arrays (the contract's)
+_ARRAYS = ("assignment", "update", "global_model", "evaluate")  # types that carry float32 arrays
+_VECTOR = {"update": "delta", "global_model": "weights", "evaluate": "weights"}  # the required 1-D float32 vector
+_EXTRA_ARRAYS = ("assignment", "update", "global_model")  # types that carry named "x:<name>" arrays (the contract's)
 _REQUIRED = {  # fields without a default must be on the wire; the others fall back to their defaults
     t: {f.name for f in fields(c) if f.default is MISSING and f.default_factory is MISSING} for t, c in _CLASSES.items()
 }
@@ -653,8 +724,8 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
         if t == "chunk":
             _check_chunk(f, data.nbytes)
         blobs.append(("data", _U8, [data.nbytes], [data]))
-    elif t in _VECTOR:
-        named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)]
+    elif t in _ARRAYS:
+        named = [(_VECTOR[t], getattr(msg, _VECTOR[t]), True)] if t in _VECTOR else []
         extra = msg.arrays if t in _EXTRA_ARRAYS else {}  # type: ignore[union-attr]
         if not isinstance(extra, dict) or not all(isinstance(k, str) and k for k in extra):
             raise InvalidField(f"{t}: field 'arrays' expected a map with non-empty str keys, got {_short(extra)}")
@@ -741,12 +812,16 @@ def read_header(payload: bytes | bytearray | memoryview) -> tuple[dict[str, Any]
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
             raise MalformedMessage(f"{t}: array entry expected [name, dtype, shape], got {_short(entry)}")
         name, dtype, shape = entry
-        allowed = name == "data" if t in _BYTES else name == vector or (t in _EXTRA_ARRAYS and name[:2] == "x:")
+        allowed = (
+            name == "data"
+            if t in _BYTES
+            else t in _ARRAYS and (name == vector or (t in _EXTRA_ARRAYS and name[:2] == "x:"))
+        )
         if not allowed or name in seen or name == "x:":
             raise InvalidField(f"{t}: unexpected or repeated array {_short(name)}")
         seen.add(name)
         want = _U8 if t in _BYTES else DTYPE
-        compressed = t in _VECTOR and codecs.is_wire(dtype)
+        compressed = (t == "update" or (t == "global_model" and name == vector)) and codecs.is_wire(dtype)
         if dtype != want and not compressed:
             raise InvalidField(f"{t}: array {name!r} dtype expected {want!r} or a codec, got {_short(dtype)}")
         if not (isinstance(shape, list) and len(shape) <= 32 and all(_is_int(s) and s >= 0 for s in shape)):
@@ -817,5 +892,6 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
             kwargs[name] = arr
     if t in _EXTRA_ARRAYS:
         kwargs["arrays"] = extra
+    if t == "update":
         kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
     return _CLASSES[t](**kwargs)

@@ -23,12 +23,12 @@ from torch import nn
 from edge_client import device
 from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.codecs import ModelMismatch
-from edge_client.compression import HeldModel, Uplink
+from edge_client.compression import Uplink
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, fingerprint, parameter_layout
+from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
 from edge_client.protocol import (
     Ack,
     Assignment,
@@ -36,8 +36,10 @@ from edge_client.protocol import (
     Evaluate,
     Evaluation,
     Failure,
+    GlobalModel,
     Hello,
     Message,
+    ModelRequest,
     Presence,
     Refusal,
     Resync,
@@ -93,10 +95,12 @@ class EdgeClient:
         train: TrainFn = train_local,
         holdout: ArrayDataset | None = None,
         allowed: AllowedCode = NOTHING,
+        model_wait_s: float = DEFAULT_WAIT_S,
         device_class: str | None = None,
     ) -> None:
         """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
-        model or task factory the server names may be imported from (``edge_client.factories``)."""
+        model or task factory the server names may be imported from (``edge_client.factories``); ``model_wait_s``: how
+        long an assignment waits for its round's model before the server is asked for it."""
         self.client_id = validate_client_id(client_id)
         self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
@@ -111,8 +115,9 @@ class EdgeClient:
         self.once = False  # run(once=True): leave after the first run that ends
         self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
         # (run id, round, assignment msg id) of the newest round this device served: an assignment of that run for an
-        # older round, or that very assignment again, is stale (replayed from the broker session); a new assignment
-        # for that round is a resumed server re-running it. Kept in state_dir, so it survives a restart.
+        # older round than the one before it, or that very assignment again, is stale (replayed from the broker
+        # session); a new assignment for either of the two newest rounds is a resumed server re-running it (its
+        # checkpoint is written once a round's evaluation, beside the next round, is done). Kept in state_dir.
         self.served: tuple[str, int, str] = self._load_served()
         self._model: FlatModel | None = None
         self._model_spec: dict[str, Any] | None = None
@@ -125,8 +130,15 @@ class EdgeClient:
         self._last_upload: dict[str, float] = {}
         self.uplink = Uplink(self.client_id)  # top-k residuals survive a restart like an algorithm's state
         self._load_state("uplink", self.uplink)
-        self.held = HeldModel()
-        subscriptions = [self.topics.down(self.client_id), self.topics.broadcast, self.topics.server]
+        self.models = ModelCache()
+        self.model_wait_s = model_wait_s
+        self._waiting: Waiting | None = None
+        subscriptions = [
+            self.topics.down(self.client_id),
+            self.topics.broadcast,
+            self.topics.server,
+            self.topics.round_model_frames,
+        ]
         self.link: Link
         if link_factory is not None:
             self.link = link_factory(subscriptions, self._connected)
@@ -140,6 +152,7 @@ class EdgeClient:
                 subscriptions,
                 will=(self.topics.up(self.client_id), will, False),
                 on_connect=self._connected,
+                retained_once=[self.topics.round_model_frames],
             )
 
     def _connected(self) -> None:
@@ -205,10 +218,9 @@ class EdgeClient:
             while max_rounds is None or self.rounds_done < max_rounds:
                 self._catch_up()
                 received = self.link.receive(timeout=1.0)
-                if received is None:
-                    continue
-                if not self.handle(received[1]):
+                if received is not None and not self.handle(received[1]):
                     break
+                self._check_waiting()
             self.link.wait_published(timeout=30.0)
             if self.refusal is not None:
                 raise Refused(self.refusal)
@@ -224,6 +236,7 @@ class EdgeClient:
         waited: Assignment | None = None
         if isinstance(msg, Stop):
             if self.session.stop(msg):
+                self._waiting = None  # the run ended: its model is not owed any more
                 log.info("left run %s; %s", msg.run_id, "exiting (--once)" if self.once else "waiting for the next run")
                 return not self.once
         elif isinstance(msg, Refusal):
@@ -237,6 +250,8 @@ class EdgeClient:
             waited = self.session.server(msg)
         elif isinstance(msg, Ack):
             waited = self.session.acked(msg)
+        elif isinstance(msg, GlobalModel):
+            self._take_model(msg)
         elif isinstance(msg, Assignment) and self.session.admit(msg):
             self._serve(msg)
         elif isinstance(msg, Evaluate):
@@ -244,6 +259,41 @@ class EdgeClient:
         if waited is not None and self.session.admit(waited):
             self._serve(waited)
         return True
+
+    def _take_model(self, model: GlobalModel) -> None:
+        """Keep a verified model; serve the assignment waiting for it, ask for the full model when a difference gave
+        none, or report one whose full model does not verify."""
+        ok = self.models.add(model)
+        waiting = self._waiting
+        if waiting is not None and waiting.assignment.model_sha256 == model.sha256:
+            if ok:
+                self._waiting = None
+                self._serve(waiting.assignment)
+            elif model.diff_base:
+                self._check_waiting()  # asks for the full model now, unless it asked already
+            else:
+                self._waiting = None
+                a = waiting.assignment
+                detail = ValueError(f"model {model.sha256} does not hash to it")
+                self._fail(a.round, a.run_id, "model_hash", detail, a.deadline_s)
+
+    def _check_waiting(self) -> None:
+        """Ask the server for a model that did not come with its broadcast; give the round up at its deadline."""
+        waiting = self._waiting
+        if waiting is None:
+            return
+        a = waiting.assignment
+        # a difference this device could not use will not come again: ask at once
+        due = waiting.due(time.monotonic(), 0.0 if a.model_sha256 == self.models.missed else self.model_wait_s)
+        if due == "request":
+            waiting.requested = True
+            log.warning("round %d: model %s not received or rebuilt; asking the server", a.round, a.model_sha256[:12])
+            request = ModelRequest(a.round, self.client_id, a.model_sha256, run_id=a.run_id)
+            self.link.publish(self.topics.up(self.client_id), encode(request))
+        elif due == "give_up":
+            self._waiting = None
+            detail = TimeoutError(f"model {a.model_sha256} not received in {a.deadline_s} s")
+            self._fail(a.round, a.run_id, "model_unavailable", detail, a.deadline_s)
 
     def _model_for(self, spec: dict[str, Any], task: Task | None = None) -> FlatModel:
         """The model of ``spec`` (built once per spec), training with ``task``'s loss when given."""
@@ -342,23 +392,26 @@ class EdgeClient:
 
     def _serve(self, assignment: Assignment) -> None:
         run, served, msg_id = self.served
-        stale = assignment.round < served or (assignment.round == served and assignment.msg_id == msg_id)
+        stale = assignment.round < served - 1 or (assignment.round == served and assignment.msg_id == msg_id)
         if assignment.run_id == run and stale:  # e.g. replayed from the session after a restart
             log.warning("round %d: skipping a stale assignment (round %d of this run already served)",
                         assignment.round, served)  # fmt: skip
             return
+        if assignment.model_sha256 not in self.models:  # its broadcast is late or was missed
+            self._waiting = Waiting(assignment, time.monotonic())
+            self._check_waiting()
+            return
+        self._waiting = None
         try:
+            assignment = self.models.complete(assignment)
             model = self._model_for(assignment.model, self._task_for(assignment.task))
             algorithm = self._algorithm_for(assignment.algorithm)
-            weights = self.held.resolve(assignment)  # the model, or the one held plus a difference (hash-checked)
+            weights = assignment.weights
             if weights is None or model.size != weights.size:
                 raise ValueError(
                     f"the server's model has {getattr(weights, 'size', 0)} parameters, this client's {model.size}"
                 )
             plan = plan_for(assignment, algorithm, model.size)
-        except ModelMismatch as exc:  # the server sends the full model once it hears this
-            self._fail(assignment.round, assignment.run_id, "model_mismatch", exc, assignment.deadline_s)
-            return
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
             self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
             return
@@ -367,6 +420,7 @@ class EdgeClient:
             self._sampler_key = (assignment.batch_size, assignment.seed)
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
+        bytes_down += self.link.take_bytes_in(self.topics.round_model)
         before = device.snapshot()
         try:
             result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)

@@ -20,6 +20,16 @@ def validate_client_id(client_id: str, *, what: str = "client id") -> str:
     return client_id
 
 
+def stream_of(topic: str) -> str:
+    """The stream a received frame belongs to: a job's round model for its per-frame topics, else the topic itself
+    (frames are reassembled and counted per stream)."""
+    head, _, index = topic.rpartition("/")
+    parts = head.split("/")
+    if index.isdigit() and len(parts) == 4 and parts[0] == "edgefl" and parts[2:] == ["model", "global"]:
+        return head
+    return topic
+
+
 @dataclass(frozen=True)
 class Topics:
     """The topics of one job (``edgefl/<job>/...``); several jobs can share a broker."""
@@ -54,6 +64,20 @@ class Topics:
     def model(self) -> str:
         """Retained: the newest exported ONNX model, for devices to fetch."""
         return f"{self.root}/model"
+
+    @property
+    def round_model(self) -> str:
+        """Server -> every device: the round's GlobalModel, frame ``i`` of it on ``<this>/<i>`` (retained per frame,
+        so a broker can keep a chunked model whole); the stream its frames are reassembled and counted under."""
+        return f"{self.root}/model/global"
+
+    def round_model_frame(self, index: int) -> str:
+        return f"{self.round_model}/{index}"
+
+    @property
+    def round_model_frames(self) -> str:
+        """The filter a device subscribes to (``model`` itself, the ONNX export, is not matched by it)."""
+        return f"{self.round_model}/+"
 
     @property
     def all_up(self) -> str:

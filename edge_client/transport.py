@@ -26,9 +26,11 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge_client import chunking
 from edge_client.protocol import DuplicateMessage, Message, MessageTooLarge, ProtocolError
+from edge_client.topics import stream_of
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ class Link(Protocol):
     def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int: ...
 
     def wait_published(self, timeout: float) -> bool: ...
+
+    def chunk_size(self) -> int: ...
 
     def receive(self, timeout: float) -> tuple[str, Message] | None: ...
 
@@ -169,20 +173,23 @@ class Inbox:
                 self._queued_total -= len(payload)
                 if not self._queued[topic]:
                     del self._queued[topic]
+            stream = stream_of(topic)  # the round model's frames come on one topic each
             self.bytes_in += len(payload)
-            self._bytes_by_topic[topic] += len(payload)
+            self._bytes_by_topic[stream] += len(payload)
+            if not payload and stream != topic:  # the publisher cleared a retained frame of a multi-topic stream
+                continue
             try:
-                msg = self._reassembler.feed(topic, payload)
+                msg = self._reassembler.feed(stream, payload)
             except ProtocolError as exc:
                 self.reject(topic, exc)
                 if isinstance(exc, DuplicateMessage) and exc.msg_id and self._answer_repeat is not None:
                     self._answer_repeat(topic, exc.msg_id)
                 continue
             if msg is not None:
-                return topic, msg
+                return stream, msg
 
     def take_bytes_in(self, topic: str) -> int:
-        """Bytes received on ``topic`` since the last call (what one client sent in one round)."""
+        """Bytes received on ``topic`` (a stream) since the last call (what one client sent in one round)."""
         return self._bytes_by_topic.pop(topic, 0)
 
     def reject(self, topic: str, exc: ProtocolError) -> None:
@@ -203,10 +210,14 @@ class MqttLink(Inbox):
         *,
         will: tuple[str, bytes, bool] | None = None,
         on_connect: Callable[[], None] | None = None,
+        retained_once: Iterable[str] = (),
     ) -> None:
+        """``retained_once``: subscriptions whose retained messages the broker sends only when the subscription is new
+        (MQTT 5 retain handling 1), so a reconnect with its session kept does not fetch them again."""
         super().__init__(config.max_message_bytes)
         self.config = config
         self.subscriptions = list(subscriptions)
+        self.retained_once = set(retained_once)
         self.bytes_out = 0
         self.max_packet_size: int | None = None
         self.session_present = False
@@ -285,7 +296,9 @@ class MqttLink(Inbox):
         # Subscribe first, then the hook (the server's presence, a device's hello), then paho resends what was in
         # flight: one connection, so the broker has the subscriptions before anyone can answer what we send.
         if self.subscriptions:  # ready once the broker confirmed the subscriptions (SUBACK)
-            client.subscribe([(topic, 1) for topic in self.subscriptions])
+            client.subscribe(
+                [(t, SubscribeOptions(qos=1, retainHandling=int(t in self.retained_once))) for t in self.subscriptions]
+            )
         else:
             self._connected.set()
         log.info("connected to %s (session present: %s)", self.config.url, flags.session_present)

@@ -102,6 +102,7 @@ modules:
       "edgefl/+/broadcast": mqtt_device
       "edgefl/+/server": mqtt_device
       "edgefl/+/model": mqtt_device
+      "edgefl/+/model/global/+": mqtt_device
       "edgefl/#": mqtt_server
 EOF
     printf '{lookup, ["file", "native"]}.\n' >"$dir/$node/conf/inetrc" # name resolution of the Erlang VM

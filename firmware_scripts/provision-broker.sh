@@ -52,6 +52,7 @@ acl_rules() {
         "pattern read $base/broadcast" \
         "pattern read $base/server" \
         "pattern read $base/model" \
+        "pattern read $base/model/global/+" \
         "" \
         "user $server_user" \
         "topic readwrite edgefl/#"
@@ -64,7 +65,8 @@ site_rules() {
     local base="edgefl/$job"
     printf '%s\n' "# site $site_user: its bridge carries these devices only" "user $site_user"
     for device in "$@"; do printf '%s\n' "topic write $base/c/$device/up" "topic read $base/c/$device/down"; done
-    printf '%s\n' "topic read $base/broadcast" "topic read $base/server" "topic read $base/model"
+    printf '%s\n' "topic read $base/broadcast" "topic read $base/server" "topic read $base/model" \
+        "topic read $base/model/global/+"
 }
 
 # The same lines as server/bridge.py bridge_config(); tests/test_firmware.py compares a provisioned site with it.
@@ -81,7 +83,8 @@ bridge_section() {
         echo "bridge_insecure false"
     fi
     for device in "$@"; do printf '%s\n' "topic edgefl/+/c/$device/up out 1" "topic edgefl/+/c/$device/down in 1"; done
-    printf '%s\n' "topic edgefl/+/broadcast in 1" "topic edgefl/+/server in 1" "topic edgefl/+/model in 1"
+    printf '%s\n' "topic edgefl/+/broadcast in 1" "topic edgefl/+/server in 1" "topic edgefl/+/model in 1" \
+        "topic edgefl/+/model/global/+ in 1"
 }
 
 check_server_user() { [[ $1 =~ ^[^[:space:]:/#+]+$ ]] || die "invalid server user '$1'"; }

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 #: The job-wide topics every device reads (server -> all devices), below ``edgefl/<job>/``.
-SHARED_TOPICS = ("broadcast", "server", "model")
+SHARED_TOPICS = ("broadcast", "server", "model", "model/global/+")
 
 
 def _check_user(what: str, name: str) -> None:

@@ -84,12 +84,12 @@ class Checkpoint:
         np.savez(tmp, **entries)
         os.replace(tmp, self.path)
 
-    def save(self, weights: np.ndarray, round_: int, version: int, strategy: Strategy, run_id: str) -> None:
-        """The last completed round's model and algorithm state."""
+    def save(self, weights: np.ndarray, round_: int, version: int, state: dict[str, np.ndarray], run_id: str) -> None:
+        """The last completed round's model and algorithm state (``pack_state`` of the strategy after that round)."""
         self._write({
             "weights": weights, "round": round_, "model_version": version, "run_id": run_id,
             "model_spec": json.dumps(self.model_spec), "config": json.dumps(config_identity(self.config)),
-            "finished": False, **pack_state(strategy),
+            "finished": False, **state,
         })  # fmt: skip
 
     def mark_finished(self) -> None:

@@ -81,20 +81,21 @@ class Delivery:
         self._tick += 1
         self._assignments[client_id] = (assignment, self._tick)
 
-    def resend(self, sender: str, resync: Resync, run_id: str, state: RoundState | None) -> None:
+    def resend(self, sender: str, resync: Resync, run_id: str, state: RoundState | None) -> bool:
         """Send ``sender`` its assignment of the current round again, if it has one it has neither reported nor
         failed, and the device cannot have it: it went out before the device's current connection said hello (or
-        that hello never arrived), and it is not the round the device says it served."""
+        that hello never arrived), and it is not the round the device says it served. True when it was sent."""
         owed = state is not None and state.round == self._round and sender in self._assignments
         if not owed or sender in state.received or sender in state.failed:  # type: ignore[union-attr]
-            return
+            return False
         assignment, sent_at = self._assignments[sender]
         hello_at = self._heard.get(sender, {}).get(resync.since)
         if (hello_at is not None and sent_at > hello_at) or (resync.run_id, resync.round) == (run_id, self._round):
-            return
+            return False
         log.info("round %d: %s lost its assignment (it holds round %d of run %s); sending it again",
                  self._round, sender, resync.round, resync.run_id or "none")  # fmt: skip
         self.link.publish(self.topics.down(sender), encode(assignment))
+        return True
 
 
 def _remember(answers: OrderedDict[str, Any], key: str, value: Any) -> None:

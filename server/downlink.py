@@ -1,73 +1,51 @@
-"""The model each device is sent: the full model, or (``train.downlink_codec = "int8"``) the int8-coded difference
-from the previous round's model to a device that holds it.
+"""The round model devices are sent: the model itself, or (``train.downlink_codec = "int8"``) the int8-coded
+difference from the previous round's model, which every device that holds that model rebuilds the new one from.
 
-A lossy difference means the model devices train from, the *published* model ``m_t``, is not exactly the server's
-``w_t``: ``m_t = m_{t-1} + Q(w_t - m_{t-1})``. Every device of a round trains from the same ``m_t`` (a device without
-``m_{t-1}`` is sent ``m_t`` itself), named by its sha256, which a device checks after applying a difference. What
-``Q`` left out stays in ``w_t - m_t`` and is part of the next difference (error feedback on the server), so it is
-never lost; the server keeps aggregating, evaluating and checkpointing ``w_t``.
-
-A device holds ``m_{t-1}`` when its update of round t-1 was admitted (it trained from that model after checking its
-hash). One that says hello again (it restarted) or reports that it could not use a difference (a Failure with
-reason ``model_mismatch``) is sent the full model next. A resumed server starts with full models.
+A lossy difference means the model devices train from, the *published* model ``m_t``, is not exactly the round's start
+model ``w_t``: ``m_t = m_{t-1} + Q(w_t - m_{t-1})``. Every device of a round trains from the same ``m_t``, named by
+its digest, which a device checks after applying a difference; one that cannot (it lacks ``m_{t-1}``, or the check
+fails) asks for ``m_t`` itself (``server.distribution``). What ``Q`` left out stays in ``w_t - m_t`` and is part of
+the next difference (error feedback on the server), so it is never lost; the server keeps aggregating, evaluating and
+checkpointing ``w_t``. Only the weights travel as a difference: the arrays every client shares (SCAFFOLD's c, ...)
+go as they are. A resumed server starts with the full model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from edge_client import codecs
-from edge_client.codecs import Encoded
-
-#: The Failure reason of a device that does not hold a difference's base, or whose rebuilt model fails its hash.
-MISMATCH = "model_mismatch"
+from edge_client.protocol import GlobalModel, model_digest, new_msg_id
 
 
 class Downlink:
-    """The published model of the round, the difference to it, and which model each device holds."""
+    """The published model of the round and the message that carries it to every device."""
 
     def __init__(self, codec: str, seed: int) -> None:
         self.spec = codecs.parse(codec)
         self.rng = np.random.default_rng(seed)
-        self.published: np.ndarray | None = None
-        self.sha256 = ""
-        self.diff: Encoded | np.ndarray | None = None
-        self.base = ""  # sha256 of the model ``diff`` applies to
-        self.holds: dict[str, str] = {}  # client -> sha256 of the model it holds
-        self._sent: dict[str, str] = {}  # client -> sha256 of the model it was sent this round
+        self.published: GlobalModel | None = None  # m_t, as devices rebuild it
+        self.message: GlobalModel | None = None  # what carries m_t to a device holding m_{t-1}
+        self._source = ""  # digest of the start model ``published`` was made from
 
-    @property
-    def enabled(self) -> bool:
-        return not self.spec.lossless
+    def publish(self, start: GlobalModel) -> tuple[GlobalModel, GlobalModel]:
+        """The round's model as devices will hold it, and its broadcast (the difference when there is a base).
 
-    def publish(self, weights: np.ndarray) -> None:
-        """This round's model from the server's ``weights``, and the difference for holders of the last one."""
-        if not self.enabled:
-            self.published = weights
-            return
-        if self.published is None:
-            self.diff, self.base, model = None, "", np.array(weights, np.float32)
+        A start model already published (the same version again) gives the same pair: devices hold it already.
+        """
+        if self.spec.lossless:
+            return start, start
+        if start.sha256 == self._source and self.published is not None and self.message is not None:
+            return self.published, self.message
+        previous = self.published
+        if previous is None or previous.weights.shape != start.weights.shape:
+            model = dataclasses.replace(start, weights=np.array(start.weights, np.float32))
+            message = model
         else:
-            self.base = self.sha256
-            self.diff, model = codecs.encode_model_diff(self.published, weights, self.spec, self.rng)
-        self.published, self.sha256 = model, codecs.digest(model)
-        self._sent = {}
-
-    def model_for(self, client_id: str) -> tuple[np.ndarray | Encoded, str, str]:
-        """``(weights, diff_base, model_sha256)`` of the client's assignment."""
-        assert self.published is not None, "publish() first"
-        if not self.enabled:
-            return self.published, "", ""
-        self._sent[client_id] = self.sha256
-        if self.diff is not None and self.holds.get(client_id) == self.base:
-            return self.diff, self.base, self.sha256
-        return self.published, "", self.sha256
-
-    def confirm(self, client_id: str) -> None:
-        """The client's update of this round was admitted: it holds the model it was sent."""
-        if client_id in self._sent:
-            self.holds[client_id] = self._sent[client_id]
-
-    def forget(self, client_id: str) -> None:
-        """Send the client the full model next (it restarted, or could not use a difference)."""
-        self.holds.pop(client_id, None)
+            diff, rebuilt = codecs.encode_model_diff(previous.weights, start.weights, self.spec, self.rng)
+            model = dataclasses.replace(start, weights=rebuilt, sha256=model_digest(rebuilt, start.arrays))
+            message = dataclasses.replace(model, weights=diff, diff_base=previous.sha256, msg_id=new_msg_id())
+        self.published, self.message, self._source = model, message, start.sha256
+        return model, message

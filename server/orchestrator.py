@@ -1,5 +1,13 @@
 """The round loop over MQTT: register clients, select, assign, collect until a timer deadline, aggregate, evaluate.
 
+Each round's model goes out once for every device (``server.distribution``); assignments only name it. Round t's model
+is evaluated on the server's test set on a thread of its own while the clients train round t+1
+(``server.evaluation.EvaluationWorker``): its metrics row, stamped with the time the model was produced, is written
+with its checkpoint once that evaluation is done, so rows stay one per round and in order, and the round's time does
+not include the evaluation. With ``run.stop_at_target`` the run therefore stops after the round that was training when
+the target was seen. The devices' evaluation on their held-out splits (``server.federated_eval``) is collected right
+after the aggregation, before round t+1 starts; a round evaluated by the devices alone is written at once.
+
 The deadline is a real timer (the receive loop wakes at least once a second), so a client that died cannot stall a
 round; a client whose last will says it went offline, or that reports it cannot serve its assignment, is not waited
 for. Every update passes ``server.admission`` (the round's bookkeeping and the algorithm's contract) before it can
@@ -26,6 +34,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,6 +55,7 @@ from edge_client.protocol import (
     Message,
     MessageTooLarge,
     ModelFile,
+    ModelRequest,
     Presence,
     ProtocolError,
     Refusal,
@@ -64,8 +74,9 @@ from server.compute_reports import ComputeReports
 from server.config import RunConfig
 from server.deadlines import DeviceTimes, round_deadline
 from server.delivery import Delivery
-from server.downlink import MISMATCH, Downlink
-from server.evaluation import Evaluator
+from server.distribution import Distribution
+from server.downlink import Downlink
+from server.evaluation import EvaluationWorker, Evaluator, TestResult
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.fleet_summary import device_class, fleet_summary, parallel_round_s
 from server.live_state import LiveState
@@ -109,6 +120,18 @@ class ModelMismatch(InvalidField):
     """A device whose model's parameter layout is not the server's: refused at registration."""
 
     reason = "model"
+
+
+@dataclass
+class Produced:
+    """A round's model as the round produced it, waiting for its evaluation: the metrics row so far, and what its
+    checkpoint holds (the strategy's state packed right after the aggregation, before the next round changes it)."""
+
+    row: dict[str, Any]
+    weights: np.ndarray
+    version: int
+    state: dict[str, np.ndarray]
+    evaluation: Future[TestResult] | None  # None: no test-set evaluation this round
 
 
 class Orchestrator:
@@ -160,10 +183,9 @@ class Orchestrator:
         self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
         self.reports = ComputeReports()  # what clients told to train without uploading spent
         self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
-        t = config.train  # compression: each device's upload codec, and the model or model difference it is sent
+        t = config.train  # compression: each device's upload codec (the round model's codec: self.distribution)
         self.codecs = CodecPolicy(t.codec, t.codec_policy, t.upload_budget_s, t.codec_ladder, self.strategy.contract,
                                   self.num_params)  # fmt: skip
-        self.downlink = Downlink(t.downlink_codec, config.run.seed)
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
         offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
@@ -174,6 +196,9 @@ class Orchestrator:
             on_connect=self._announce,
         )
         self.link.limit_senders(self._sender_budget)
+        self.distribution = Distribution(
+            self.link, self.topics, self.strategy.contract, Downlink(t.downlink_codec, config.run.seed)
+        )
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
         self.link.answer_repeats(self.delivery.repeated)
 
@@ -225,6 +250,8 @@ class Orchestrator:
                 self._accept(topic, sender, msg)
             elif isinstance(msg, Failure):
                 self._failed(sender, msg)
+            elif isinstance(msg, ModelRequest):
+                self.distribution.answer(sender, msg, self.current.assigned_steps if self.current else ())
             elif isinstance(msg, ComputeReport):
                 entry = self.reports.take(sender, msg, self.run_id)
                 self.times.record_compute(msg.round, sender, msg.compute_s, msg.local_steps)
@@ -254,7 +281,6 @@ class Orchestrator:
             )
         self._check_model(sender, hello)
         known = self.clients.get(sender)
-        self.downlink.forget(sender)  # a device says hello when it (re)starts: it holds no model
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
         self.client_samples[sender] = hello.num_samples
         self.live.registered(sender, hello.device)
@@ -307,7 +333,6 @@ class Orchestrator:
         state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
         self.codecs.observe(sender, update.metrics)
-        self.downlink.confirm(sender)
         log.info(
             "round %d: %s reported %d steps, compute %.3f s, cpu %.3f s, loss %.4f",
             state.round,
@@ -321,8 +346,6 @@ class Orchestrator:
     def _failed(self, sender: str, failure: Failure) -> None:
         if failure.client_id != sender:
             raise InvalidField(f"failure on the topic of {sender!r} claims client id {failure.client_id!r}")
-        if failure.reason == MISMATCH:
-            self.downlink.forget(sender)
         state = self.current
         if self.federated.failed(sender, failure.round, failure.reason):
             log.warning("round %d: %s cannot evaluate (%s: %s)", failure.round, sender, failure.reason, failure.detail)
@@ -340,7 +363,8 @@ class Orchestrator:
     def _resync(self, sender: str, resync: Resync) -> None:
         if resync.client_id != sender:
             raise InvalidField(f"resync on the topic of {sender!r} claims client id {resync.client_id!r}")
-        self.delivery.resend(sender, resync, self.run_id, self.current)
+        if self.delivery.resend(sender, resync, self.run_id, self.current):
+            self.distribution.lost(sender)  # it may have lost the round's model with its assignment
 
     def _pump(self, timeout: float) -> None:
         received = self.link.receive(timeout)
@@ -383,36 +407,31 @@ class Orchestrator:
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
         self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
         self.times.round_started()
-        self.downlink.publish(weights)
-        told: dict[str, Any] = {}
+        assignments = {}
         for cid, a in planned.items():
-            start, base, sha256 = self.downlink.model_for(cid) if a.weights is None else (a.weights, "", "")
             state.codecs[cid] = self.codecs.codec_for(cid)
-            a = replace(
+            assignments[cid] = replace(
                 a,
                 round=round_,
                 model_version=version,
                 deadline_s=deadline_s,
                 algorithm=self.strategy.name,
                 model=self.model_spec,
-                weights=start,
+                weights=weights if a.weights is None else a.weights,
                 upload=cid in state.selected,
                 seed=self.config.run.seed,
                 run_id=self.run_id,
                 codec=str(state.codecs[cid]),
-                diff_base=base,
-                model_sha256=sha256,
                 task=self.config.task,
             )
             state.assigned_steps[cid] = a.local_steps
-            self.delivery.assigned(round_, cid, a)
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
+        sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
+        told: dict[str, Any] = {}
+        for cid, (slim, size) in sent.items():
             self.times.sent(cid)
-            told[cid] = {
-                **assignment_summary(a),
-                **self.codecs.describe(cid),
-                "bytes_down": self.link.publish(self.topics.down(cid), encode(a)),
-            }
+            self.delivery.assigned(round_, cid, slim)  # as sent: naming the model, which a device may then ask for
+            told[cid] = {**assignment_summary(assignments[cid]), **self.codecs.describe(cid), "bytes_down": size}
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     def _collect(self, state: RoundState) -> None:
@@ -453,13 +472,17 @@ class Orchestrator:
         exporter = BackgroundExporter(
             self.model_spec, self.out_dir / "model.onnx", on_done=self._publish_model, task=self.task.name
         )
+        # the server's test set, evaluated beside the next round (none: the devices evaluate)
+        evaluations = EvaluationWorker(self.evaluator) if self.evaluator and self.eval_mode != "clients" else None
         self.live.start()
         try:
             self.wait_for_clients(self.config.min_clients)
             if self.on_ready is not None:
                 self.on_ready()
-            weights = self._train(weights, metrics, exporter)
+            weights = self._train(weights, metrics, exporter, evaluations)
         finally:
+            if evaluations is not None:
+                evaluations.close()
             exporter.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
@@ -530,13 +553,20 @@ class Orchestrator:
         unpack_state(self.strategy, before)
         return weights, reason
 
-    def _train(self, weights: np.ndarray, metrics: MetricsLog, exporter: BackgroundExporter) -> np.ndarray:
+    def _train(
+        self,
+        weights: np.ndarray,
+        metrics: MetricsLog,
+        exporter: BackgroundExporter,
+        evaluations: EvaluationWorker | None,
+    ) -> np.ndarray:
         start = time.monotonic() - (metrics.rows[-1]["elapsed_s"] if metrics.rows else 0.0)
         version = self.version
-        best: float | None = None
+        self.best: float | None = None
         for r in metrics.rows:
-            best = self.target.of(r) if self.target.better(self.target.of(r), best) else best
+            self.best = self.target.of(r) if self.target.better(self.target.of(r), self.best) else self.best
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
+        produced: Produced | None = None  # the previous round's model, under evaluation
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
@@ -555,25 +585,13 @@ class Orchestrator:
             if updates and folding is not None:
                 weights, dropped = self._aggregate(round_, weights, folding)
                 version += dropped is None
-            t_eval = time.monotonic()
-            due = self.federated.due(round_)
-            evaluator = self.evaluator if due and self.eval_mode != "clients" else None
-            tested = evaluator(weights) if evaluator else {}
-            outputs = {name: evaluator(w) for name, w in self.strategy.outputs(weights).items()} if evaluator else {}
-            t_clients = time.monotonic()
-            client_eval = self._evaluate_on_devices(round_, version, weights, state.selected) if (
-                due and self.eval_mode != "server"
-            ) else None  # fmt: skip
-            done = time.monotonic()
+            done = time.monotonic()  # the model is produced: time-to-target is stamped here
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
                 "assign_s": assign_s,
-                "aggregate_s": t_eval - t_agg,
-                "eval_s": t_clients - t_eval,
-                "client_eval_wait_s": done - t_clients,  # server clock: request, device evaluation, reports
-                **tested,
+                "aggregate_s": done - t_agg,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
@@ -581,6 +599,8 @@ class Orchestrator:
                 "slowest_compute_s": max((u.compute_s for u in updates), default=0.0),
                 "deadline_s": state.deadline_s,
                 "predictions": predictions,
+                "bytes_out": self.distribution.take_bytes_out(),  # the server's egress this round
+                "broadcast": self.distribution.broadcast,  # the round's model went out as a model or a difference
                 "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
                 "train_only": self.reports.drain(),
                 "instructions": told,
@@ -588,36 +608,64 @@ class Orchestrator:
                 "excluded": sorted(self.strategy.excluded()),
                 "algorithm": self.strategy.round_metrics(),
             }
-            if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
-                row["parallel_round_s"] = parallel_round_s(row)
-                row["parallel_elapsed_s"] = row["parallel_round_s"] + (
-                    metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0
-                )
             if dropped:
                 row["dropped"] = dropped
-            if client_eval is not None:
-                row["client_eval"] = client_eval
-            for name, result in outputs.items():
-                row.update({f"{metric}_{name}": value for metric, value in result.items()})
+            due = self.federated.due(round_)
+            # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
+            evaluation = (
+                evaluations.submit(weights, self.strategy.outputs(weights))
+                if evaluations is not None and due and self.eval_mode != "clients"
+                else None
+            )
+            if due and self.eval_mode != "server":
+                t_clients = time.monotonic()
+                client_eval = self._evaluate_on_devices(round_, version, weights, state.selected)
+                row["client_eval_wait_s"] = time.monotonic() - t_clients  # server clock: request, evaluation, reports
+                if client_eval is not None:
+                    row["client_eval"] = client_eval
             rejected_before = Counter(self.link.rejections)
-            metrics.append(row)
-            self.checkpoint.save(weights, round_, version, self.strategy, self.run_id)
-            value = self.target.of(row)
-            if self.target.better(value, best):  # model.onnx is always the best global model so far
-                best = value
-                exporter.submit(weights, round_)
-            self.observer.round_done(row)
-            if self.config.run.stop_at_target and self.target.reached(value):
-                log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, round_)
+            previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
+            if previous is not None and self._record(previous, metrics, exporter):
                 break
+            if evaluation is None:  # nothing to wait for: recorded now
+                current, produced = produced, None
+                if self._record(current, metrics, exporter):
+                    break
+        if produced is not None:
+            self._record(produced, metrics, exporter)
         self.checkpoint.mark_finished()
         self.unreported_rejections = self.link.rejections - rejected_before
         return weights
 
+    def _record(self, p: Produced, metrics: MetricsLog, exporter: BackgroundExporter) -> bool:
+        """Once a round's evaluation is done: its metrics row, its checkpoint, the export of a new best model and the
+        progress line. True when the run should stop at the target."""
+        e = p.evaluation.result() if p.evaluation is not None else None
+        row = {**p.row, "eval_s": e.eval_s if e else 0.0, **(e.tested if e else {})}
+        for name, result in (e.outputs if e else {}).items():
+            row.update({f"{metric}_{name}": value for metric, value in result.items()})
+        if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
+            row["parallel_round_s"] = parallel_round_s(row)
+            row["parallel_elapsed_s"] = row["parallel_round_s"] + (
+                metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0
+            )
+        metrics.append(row)
+        self.checkpoint.save(p.weights, row["round"], p.version, p.state, self.run_id)
+        value = self.target.of(row)
+        if self.target.better(value, self.best):  # model.onnx is always the best global model so far
+            self.best = value
+            exporter.submit(p.weights, row["round"])
+        self.observer.round_done(row)
+        if self.config.run.stop_at_target and self.target.reached(value):
+            log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, row["round"])
+            return True
+        return False
+
     def _evaluate_on_devices(
         self, round_: int, version: int, weights: np.ndarray, selected: set[str]
     ) -> dict[str, Any] | None:
-        """Ask the devices to evaluate ``weights`` on their held-out splits; their combined report (None if none)."""
+        """Ask the devices to evaluate ``weights`` on their held-out splits; their combined report (None if none).
+        The request carries the weights: devices evaluate the model they trained from only when it is current."""
         holdout = {c: rec.eval_samples for c, rec in self.clients.items()}
         asked = self.federated.devices(self.available(), selected, holdout)
         request = Evaluate(
@@ -634,7 +682,8 @@ class Orchestrator:
         bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)
         return {
             "device_class": device_class(self.clients[u.client_id].device),
-            **self.times.record(state.round, u, bytes_down, bytes_up),
+            # a device downloads its assignment and the round's model (broadcast to all, counted once in bytes_out)
+            **self.times.record(state.round, u, bytes_down + self.distribution.model_bytes, bytes_up),
             "compute_s": u.compute_s,
             "cpu_s": u.cpu_s,
             "local_steps": u.local_steps,
@@ -657,6 +706,7 @@ class Orchestrator:
 
     def _shutdown(self) -> None:
         try:
+            self.distribution.clear()
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
             offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
             self.link.publish(self.topics.server, encode(offline), retain=True)

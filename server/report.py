@@ -37,10 +37,10 @@ class MetricsLog:
 
 
 def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
-    """Bytes of one round as sent: up, the updates admitted (as received); down, every assignment (as published)."""
+    """Bytes of one round as sent: up, the updates admitted (as received); down, the server's egress (the round's
+    model broadcast once, every assignment, every model a device asked for)."""
     up = sum(c.get("bytes_up", 0) for c in row.get("clients", {}).values())
-    down = sum(i.get("bytes_down", 0) for i in row.get("instructions", {}).values())
-    return up, down
+    return up, row.get("bytes_out", 0)
 
 
 def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[str, Any]:

@@ -183,19 +183,31 @@ def mqtt_client_factory(broker: Broker) -> Iterator[MqttClientFactory]:
 
 # ------------------------------------------------------------------ federations of real client processes
 class Hooks:
-    """Observer that runs a test's action after a given round, on the orchestrator's own thread."""
+    """Observer that keeps every metrics row; ``attach`` also runs a test's action after a given round, on the
+    orchestrator's own thread: once round N's model is produced, before round N+1's assignments go out (its row comes
+    later, when its evaluation is done)."""
 
     def __init__(self, actions: dict[int, Callable[[], None]] | None = None) -> None:
         self.actions = actions or {}
         self.rows: list[dict[str, Any]] = []
+
+    def attach(self, orch: Orchestrator) -> Hooks:
+        orch.observer = self
+        assign = orch._assign
+
+        def hooked(round_: int, *args: Any) -> Any:
+            if round_ - 1 in self.actions:
+                self.actions[round_ - 1]()
+            return assign(round_, *args)
+
+        orch._assign = hooked  # type: ignore[method-assign]  # this instance only
+        return self
 
     def waiting(self, text: str) -> None:
         pass
 
     def round_done(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
-        if row["round"] in self.actions:
-            self.actions[row["round"]]()
 
 
 def make_config(

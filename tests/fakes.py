@@ -16,12 +16,16 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from edge_client.algorithms import contract_of
 from edge_client.contract import Contract
+from edge_client.models_cache import ModelCache
 from edge_client.protocol import (
     PROTOCOL_VERSION,
     Assignment,
+    GlobalModel,
     Hello,
     Message,
+    ModelRequest,
     Presence,
     Stop,
     Update,
@@ -30,6 +34,7 @@ from edge_client.protocol import (
 )
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
+from server.distribution import split_round
 
 Respond = Callable[[Assignment], Iterable[bytes | bytearray]]
 
@@ -43,6 +48,12 @@ def zero_update(a: Assignment, client_id: str, num_samples: int, contract: Contr
         a.round, a.model_version, client_id, num_samples, a.local_steps, 0.01, 0.01, 0.0,
         np.zeros(size, np.float32), extras=extras, arrays=arrays, run_id=a.run_id,
     )  # fmt: skip
+
+
+def as_sent(a: Assignment) -> list[Message]:
+    """``a`` (its weights set) as a server sends it: the round's model, then the assignment that names it."""
+    model, slim = split_round(contract_of(a.algorithm), a.round, a.model_version, {"c": a})
+    return [model, slim["c"]]
 
 
 def raw_update(update: Update, dtypes: dict[str, str] | None = None) -> bytes:
@@ -98,13 +109,24 @@ def hostile_frames(honest: Update, contract: Contract, registered: int) -> list[
     return out
 
 
+def device_topics(topics: Topics, client_id: str) -> list[str]:
+    """What a device subscribes to: its own topic, the job-wide ones and the round model's frames."""
+    return [topics.down(client_id), topics.broadcast, topics.server, topics.round_model_frames]
+
+
 class FakeDevice:
-    """A device's protocol loop on its own thread; ``respond`` decides what each assignment is answered with."""
+    """A device's protocol loop on its own thread; ``respond`` decides what each assignment is answered with.
+
+    Like a device, it keeps the round models it receives and answers an assignment with its model put back (asking
+    the server for a model it did not get).
+    """
 
     def __init__(self, link: Link, topics: Topics, client_id: str, num_samples: int, respond: Respond) -> None:
         self.link, self.topics, self.client_id, self.num_samples = link, topics, client_id, num_samples
         self.respond = respond
         self.assignments: list[Assignment] = []
+        self.models = ModelCache()
+        self._waiting: Assignment | None = None
         self.stopped_by_server = threading.Event()
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -118,7 +140,7 @@ class FakeDevice:
         link = MqttLink(
             LinkConfig(url, username, password),
             f"fake-{client_id}-{uuid.uuid4().hex[:8]}",
-            [topics.down(client_id), topics.broadcast, topics.server],
+            device_topics(topics, client_id),
         )
         return cls(link, topics, client_id, num_samples, respond)
 
@@ -129,14 +151,28 @@ class FakeDevice:
         """One message from the server; False on its stop (also the in-process bus's entry point)."""
         if isinstance(msg, Presence) and msg.role == "server" and msg.online:
             self.hello()
+        elif isinstance(msg, GlobalModel):
+            self.models.add(msg)
+            if self._waiting is not None and self._waiting.model_sha256 == msg.sha256:
+                self._answer(self._waiting)
         elif isinstance(msg, Assignment):
-            self.assignments.append(msg)
-            for frame in self.respond(msg):
-                self.link.publish(self.topics.up(self.client_id), frame)
+            if msg.model_sha256 in self.models:
+                self._answer(msg)
+            else:
+                self._waiting = msg
+                request = ModelRequest(msg.round, self.client_id, msg.model_sha256, run_id=msg.run_id)
+                self.link.publish(self.topics.up(self.client_id), encode(request))
         elif isinstance(msg, Stop):
             self.stopped_by_server.set()
             return False
         return True
+
+    def _answer(self, assignment: Assignment) -> None:
+        self._waiting = None
+        a = self.models.complete(assignment)
+        self.assignments.append(a)
+        for frame in self.respond(a):
+            self.link.publish(self.topics.up(self.client_id), frame)
 
     def _run(self) -> None:
         try:

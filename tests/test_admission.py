@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fakes import FakeDevice, hostile_frames, zero_update
+from fakes import FakeDevice, device_topics, hostile_frames, zero_update
 
 from edge_client.algorithms import CONTRACTS
 from edge_client.data import load_local_data
@@ -54,7 +54,7 @@ def run_with_hostile(algorithm: str, tmp_path: Path) -> tuple[dict, list[dict], 
         return [frame for *_, frame in sent]
 
     hostile = FakeDevice(None, topics, HOSTILE, HOSTILE_SAMPLES, respond)  # type: ignore[arg-type]
-    hostile.link = bus.connect([topics.down(HOSTILE), topics.broadcast, topics.server], hostile.hello)
+    hostile.link = bus.connect(device_topics(topics, HOSTILE), hostile.hello)
     bus.add_client(hostile)  # first on the bus: its frames are judged while the round still waits for the others
     for cid, shard in zip(honest, shards, strict=True):
         bus.add_client(EdgeClient(cid, load_local_data(shard), None, job="adv", link_factory=bus.connect))
@@ -94,7 +94,7 @@ def test_a_device_registering_with_an_absurd_sample_count_is_refused(tmp_path: P
     shards, _ = prepare_shards(bundle, client_ids(2), "iid", 0, tmp_path / "shards")
     bus, topics = LocalBus(), Topics("liar")
     liar = FakeDevice(None, topics, "liar", 2**31, lambda a: [encode(zero_update(a, "liar", 2**31))])  # type: ignore[arg-type]
-    liar.link = bus.connect([topics.down("liar"), topics.broadcast, topics.server], liar.hello)
+    liar.link = bus.connect(device_topics(topics, "liar"), liar.hello)
     bus.add_client(liar)
     for cid, shard in zip(client_ids(2), shards, strict=True):
         bus.add_client(EdgeClient(cid, load_local_data(shard), None, job="liar", link_factory=bus.connect))
@@ -130,7 +130,7 @@ def test_rejections_survive_a_resume(tmp_path: Path) -> None:
             return [encode(lying), encode(clean)] if a.round == 1 else [encode(clean)]
 
         odd = FakeDevice(None, topics, "odd", HOSTILE_SAMPLES, respond)  # type: ignore[arg-type]
-        odd.link = bus.connect([topics.down("odd"), topics.broadcast, topics.server], odd.hello)
+        odd.link = bus.connect(device_topics(topics, "odd"), odd.hello)
         bus.add_client(odd)
         bus.add_client(
             EdgeClient("client-00", load_local_data(shards[0]), None, job="resume", link_factory=bus.connect)

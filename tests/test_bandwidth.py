@@ -1,5 +1,5 @@
 """The server side of compression: the codec each device is told (fixed or from its measured link), the int8 model
-difference to devices holding the last model, admission of compressed arrays against the contract's rules, the
+difference broadcast from the last model, admission of compressed arrays against the contract's rules, the
 configuration keys, the byte figures of summary.json, and whole in-process runs with all of it switched on."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import CHANCE, admit, make_config
 from edge_client import codecs as C
 from edge_client.algorithms import CONTRACTS
 from edge_client.contract import codecs_markdown
-from edge_client.protocol import ProtocolError, Update, decode, encode
+from edge_client.protocol import GlobalModel, ProtocolError, Update, decode, encode, model_digest
 from server.codec_policy import HEADER_BYTES, CodecPolicy, upload_bytes
 from server.config import ConfigError, from_dict
 from server.downlink import Downlink
@@ -91,27 +91,28 @@ def test_upload_size_counts_each_array_with_its_rule() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------- downlink
-def test_downlink_sends_differences_only_to_devices_holding_the_last_model() -> None:
+def _model(weights: np.ndarray, round_: int = 1, **arrays: np.ndarray) -> GlobalModel:
+    return GlobalModel(round_, round_ - 1, model_digest(weights, arrays), weights, arrays)
+
+
+def test_the_round_model_goes_as_a_difference_from_the_last_one_named_by_the_model_it_rebuilds() -> None:
     rng = np.random.default_rng(0)
     w1 = rng.standard_normal(1000).astype(np.float32)
+    c = np.full(1000, 0.5, np.float32)  # an array every client shares (SCAFFOLD's c): sent as it is
     down = Downlink("int8", seed=0)
-    down.publish(w1)
-    first, base, sha1 = down.model_for("a")
-    assert base == "" and np.array_equal(first, w1) and sha1 == C.digest(w1)
-    down.model_for("b")
-    down.confirm("a")  # only a's update was admitted
+    m1, sent1 = down.publish(_model(w1, 1, c=c))
+    assert sent1 is m1 and sent1.diff_base == "" and np.array_equal(m1.weights, w1)  # nothing to differ from yet
     w2 = w1 + rng.standard_normal(1000).astype(np.float32) * np.float32(0.01)
-    down.publish(w2)
-    diff, base, sha2 = down.model_for("a")
-    assert isinstance(diff, C.Encoded) and base == sha1
-    rebuilt = C.apply_model_diff(w1, C.decode(diff), sha2)  # what device a rebuilds, hash-checked
-    assert np.array_equal(rebuilt, down.published) and not np.array_equal(rebuilt, w2)
-    full, base, sha = down.model_for("b")  # b's update never arrived: the full published model
-    assert base == "" and np.array_equal(full, down.published) and sha == sha2
-    down.confirm("a")
-    down.forget("a")  # a said hello again (restarted) or reported a mismatch
-    down.publish(w2)
-    assert down.model_for("a")[1] == ""
+    m2, sent2 = down.publish(_model(w2, 2, c=c))
+    assert sent2.diff_base == m1.sha256 and sent2.sha256 == m2.sha256 and sent2.msg_id != m2.msg_id
+    assert isinstance(sent2.weights, C.Encoded) and np.array_equal(sent2.arrays["c"], c)
+    rebuilt = np.add(m1.weights, C.decode(sent2.weights), dtype=np.float32)  # what a device holding m1 rebuilds
+    assert model_digest(rebuilt, {"c": c}) == m2.sha256 and np.array_equal(rebuilt, m2.weights)
+    assert not np.array_equal(rebuilt, w2)  # lossy: the published model is not the server's
+    wire = len(encode(sent2))
+    assert wire < 0.3 * len(encode(m2)) + 4 * 1000  # the weights in int8, c in fp32
+    again = down.publish(_model(w2, 3, c=c))  # the same start model again (a dropped round): the same pair
+    assert again == (m2, sent2)
 
 
 def test_what_a_difference_leaves_out_is_sent_with_the_next() -> None:
@@ -120,20 +121,21 @@ def test_what_a_difference_leaves_out_is_sent_with_the_next() -> None:
     w1 = rng.standard_normal(5000).astype(np.float32)
     w2 = w1 + rng.standard_normal(5000).astype(np.float32)
     down = Downlink("int8:64", seed=0)
-    down.publish(w1)
+    down.publish(_model(w1))
     errors = []
-    for _ in range(3):
-        down.publish(w2)
-        assert down.published is not None
-        errors.append(float(np.abs(down.published - w2).max()))
+    for r in range(3):
+        # the same weights under a new digest each round (a shared array changes), so each round sends a difference
+        published, _ = down.publish(_model(w2, r + 2, round_tag=np.full(1, r, np.float32)))
+        errors.append(float(np.abs(published.weights - w2).max()))
     assert errors[1] < errors[0] / 20 and errors[2] < errors[1] / 20
 
 
 def test_without_a_downlink_codec_the_model_goes_as_it_is() -> None:
     down = Downlink("fp32", seed=0)
-    w = np.ones(10, np.float32)
-    down.publish(w)
-    assert down.model_for("a") == (w, "", "")
+    start = _model(np.ones(10, np.float32))
+    assert down.publish(start) == (start, start)
+    later = _model(np.full(10, 2.0, np.float32), 2)
+    assert down.publish(later) == (later, later)
 
 
 # -------------------------------------------------------------------------------------------------------- admission
@@ -212,8 +214,9 @@ def test_summary_counts_the_bytes_moved_until_the_target_and_the_codec_mix() -> 
         return {
             "round": round_, "accuracy": accuracy, "loss": 1.0, "elapsed_s": round_, "slowest_compute_s": 0.1,
             "clients": {"a": {"bytes_up": 100 * round_}, "b": {"bytes_up": 10}},  # b's only: a missed rounds
-            "instructions": {"a": {"codec": codec, "bytes_down": 1000}, "b": {"codec": "fp32", "bytes_down": 1000},
-                             "c": {"codec": codec, "bytes_down": 1000}},  # c was told, never reported
+            "instructions": {"a": {"codec": codec, "bytes_down": 100}, "b": {"codec": "fp32", "bytes_down": 100},
+                             "c": {"codec": codec, "bytes_down": 100}},  # c was told, never reported
+            "bytes_out": 3000,  # the model broadcast once and the three assignments
         }  # fmt: skip
 
     rows = [row(1, 0.5, "int8"), row(2, 0.95, "int8"), row(3, 0.99, "topk:0.01")]
@@ -241,13 +244,15 @@ def test_int8_up_and_down_trains_with_a_quarter_of_the_bytes(tmp_path: Path) -> 
     assert summary["final_accuracy"] >= base["final_accuracy"] - 0.05
     assert summary["rejected"] == {} and all(r["failed"] == {} for r in rows)
     assert summary["codec_mix"] == {"int8": 9} and base["codec_mix"] == {"fp32": 9}
-    assert [sorted({i["downlink"] for i in r["instructions"].values()}) for r in rows] == [
-        ["full"], ["difference"], ["difference"]
-    ]  # fmt: skip
-    assert "downlink" not in base_rows[0]["instructions"]["client-00"]
+    assert [r["broadcast"] for r in rows] == ["model", "difference", "difference"]
+    assert [r["broadcast"] for r in base_rows] == ["model"] * 3
+
+    def broadcast(r: dict[str, Any]) -> int:  # the round's egress but its assignments: the model message
+        return r["bytes_out"] - sum(told["bytes_down"] for told in r["instructions"].values())
+
     for r, b in zip(rows[1:], base_rows[1:], strict=True):
-        for cid, told in r["instructions"].items():
-            assert told["bytes_down"] < 0.3 * b["instructions"][cid]["bytes_down"]
+        assert broadcast(r) < 0.3 * broadcast(b)
+        for cid in r["instructions"]:
             assert r["clients"][cid]["bytes_up"] < 0.3 * b["clients"][cid]["bytes_up"]
     assert summary["bytes_up"] + summary["bytes_down"] < 0.45 * (base["bytes_up"] + base["bytes_down"])
     assert (tmp_path / "int8" / "report.png").stat().st_size > 0

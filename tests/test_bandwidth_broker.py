@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import CHANCE, run_to_end, start_federation
 
-from edge_client.protocol import Assignment, Update, decode, read_header
+from edge_client.protocol import Assignment, GlobalModel, Update, decode, read_header
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from server.broker import Broker
@@ -92,6 +92,7 @@ class Wiretap:
         client.on_message = lambda _c, _u, msg: self._keep(msg.topic, bytes(msg.payload))
         for direction in ("up", "down"):
             client.subscribe(f"{Topics(JOB).root}/c/+/{direction}", qos=1)
+        client.subscribe(Topics(JOB).round_model_frames, qos=1)  # the round's model, broadcast once to all
         # the subscriptions are in place once a message sent after them on the same connection comes back
         client.publish(f"{Topics(JOB).root}/c/probe/down", PROBE, qos=1)
         assert self.listening.wait(10.0), "the wiretap's subscriptions were not acknowledged"
@@ -103,20 +104,27 @@ class Wiretap:
         with self.lock:
             self.frames.append((topic, payload))
 
-    def by_round(self) -> tuple[dict[tuple[str, str, int], int], dict[str, list[int]]]:
-        """Bytes of every update (``up``) and assignment (``down``) frame by (device, direction, round), and the
-        sizes of each device's other frames up (hellos and resyncs, which may fall into round 1)."""
+    def by_round(self) -> tuple[dict[tuple[str, str, int], int], dict[str, list[int]], int]:
+        """Bytes of every update (``up``) and assignment (``down``) frame by (device, direction, round), the sizes
+        of each device's other frames up (hellos and resyncs, which may fall into round 1), and the bytes of every
+        round model frame (the broadcast, and a model a device asked for on its own topic)."""
         out: dict[tuple[str, str, int], int] = defaultdict(int)
         others: dict[str, list[int]] = defaultdict(list)
+        models = 0
         with self.lock:
             frames = list(self.frames)
         for topic, payload in frames:
+            if topic.startswith(Topics(JOB).round_model):
+                models += len(payload)  # a frame of the broadcast (empty: cleared at the end)
+                continue
             msg, (cid, direction) = decode(payload), topic.split("/")[3:5]
             if isinstance(msg, Update | Assignment):
                 out[(cid, direction, msg.round)] += len(payload)
+            elif isinstance(msg, GlobalModel):
+                models += len(payload)
             elif direction == "up":
                 others[cid].append(len(payload))
-        return out, others
+        return out, others, models
 
 
 def test_devices_on_different_links_get_different_codecs_and_the_bytes_add_up(
@@ -152,7 +160,7 @@ def test_devices_on_different_links_get_different_codecs_and_the_bytes_add_up(
     assert not {"fp32", "fp16"} & set(told["client-02"]), told  # 100 kB/s cannot carry 89 kB in a second
     assert told["client-03"][2:] == ["topk:0.01+int8"] * (ROUNDS - 2), told  # 6 kB/s: even 0.1 would take 4 s
 
-    wire, others = tap.by_round()
+    wire, others, models = tap.by_round()
     for r in rows:
         for cid, c in r["clients"].items():
             extra = c["bytes_up"] - wire[(cid, "up", r["round"])]
@@ -162,8 +170,8 @@ def test_devices_on_different_links_get_different_codecs_and_the_bytes_add_up(
             assert r["instructions"][cid]["bytes_down"] == wire[(cid, "down", r["round"])] > 0
             if r["round"] > 1:  # the device's own count of what it sent a round earlier
                 assert c["device"]["last_upload"]["bytes"] == wire[(cid, "up", r["round"] - 1)]
-            assert (r["instructions"][cid]["downlink"] == "difference") == (r["round"] > 1)
-    assert summary["bytes_down"] == sum(v for (_, d, _), v in wire.items() if d == "down")
+        assert r["broadcast"] == ("difference" if r["round"] > 1 else "model")  # int8 from the last model
+    assert summary["bytes_down"] == sum(v for (_, d, _), v in wire.items() if d == "down") + models
     frames = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
     assert frames == rows
     # each update frame says on the wire which codec its delta travelled in: the one its device was told

@@ -36,7 +36,7 @@ def test_quick_run_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "python -m benchmarks.round_overhead --quick" in md
     assert "Machine:" in md
     assert "| overhead fraction of a round, median over rounds 2-2 |" in md
-    assert md.count("| < 10% |") == 2
+    assert md.count("| < 5% |") == 2
     assert ("PASS" in md) or ("MISS" in md)
     assert "warm-up" in md
     if not all(data["pass"].values()):

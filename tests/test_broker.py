@@ -88,6 +88,7 @@ def test_acl_rules_text() -> None:
         "pattern read edgefl/j1/broadcast",
         "pattern read edgefl/j1/server",
         "pattern read edgefl/j1/model",
+        "pattern read edgefl/j1/model/global/+",
         "user srv",
         "topic readwrite edgefl/#",
     ]
@@ -157,6 +158,20 @@ def test_device_reads_broadcast_and_server_presence(broker: Broker, mqtt_client_
     publish(server, f"edgefl/{JOB}/broadcast", b"stop")
     assert c3.until(b"stop") == [(f"edgefl/{JOB}/broadcast", b"stop")]
     publish(server, f"edgefl/{JOB}/server", b"", retain=True)  # clear the retained message for other tests
+
+
+def test_device_reads_the_round_model_but_cannot_publish_one(
+    broker: Broker, mqtt_client_factory: MqttClientFactory
+) -> None:
+    """The round model's frames reach every device; a device publishing on them reaches nobody."""
+    server = mqtt_client_factory(broker.server.username, broker.server.password)
+    frame = f"edgefl/{JOB}/model/global/0"
+    c1 = Inbox(mqtt_client_factory("c1", broker.devices["c1"].password))
+    c2 = mqtt_client_factory("c2", broker.devices["c2"].password)
+    assert not c1.subscribe(f"edgefl/{JOB}/model/global/+")[0].is_failure
+    publish(c2, frame, b"forged model")  # denied: mosquitto drops it
+    publish(server, frame, b"model")
+    assert c1.until(b"model") == [(frame, b"model")]
 
 
 def test_max_packet_size_configured(broker: Broker, mqtt_client_factory: MqttClientFactory) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fakes import as_sent
 
 from edge_client.data import ArrayDataset, load_local_data
 from edge_client.protocol import Assignment, Failure, Presence
@@ -89,19 +90,23 @@ def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -
         client.handle(Presence("server", True, role="server", run_id=run_id))
         return client
 
+    def handle(client: EdgeClient, a: Assignment) -> None:
+        for msg in as_sent(a):
+            client.handle(msg)
+
     first = told(device(), "run-a")
     size = first._model_for(SPEC).size
     third = assignment("run-a", 3, size)
-    first.handle(third)
+    handle(first, third)
     assert trained == [3] and first.served == ("run-a", 3, third.msg_id)
     again = told(device(), "run-a")  # the process restarted: the state directory says round 3 of run-a was served
     assert again.served == ("run-a", 3, third.msg_id)
-    again.handle(third)  # replayed from the broker session: stale
-    again.handle(assignment("run-a", 2, size))
+    handle(again, third)  # replayed from the broker session: stale
+    handle(again, assignment("run-a", 1, size))  # older than the two rounds a resumed server may re-run
     assert trained == [3]
-    again.handle(assignment("run-a", 3, size))  # a new assignment for round 3: the server resumed and re-runs it
-    again.handle(assignment("run-a", 4, size))
-    told(again, "run-b").handle(assignment("run-b", 1, size))  # a new run starts again at round 1
+    handle(again, assignment("run-a", 3, size))  # a new assignment for round 3: the server resumed and re-runs it
+    handle(again, assignment("run-a", 4, size))
+    handle(told(again, "run-b"), assignment("run-b", 1, size))  # a new run starts again at round 1
     assert trained == [3, 3, 4, 1] and again.served[:2] == ("run-b", 1)
 
 

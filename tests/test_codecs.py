@@ -3,12 +3,14 @@ float16 expansion, wire sizes, spec parsing, and the model difference with its h
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from edge_client import codecs as C
-from edge_client.codecs import ModelMismatch
-from edge_client.protocol import NonFiniteValues, Update, decode, encode
+from edge_client.models_cache import ModelCache
+from edge_client.protocol import Assignment, GlobalModel, NonFiniteValues, Update, decode, encode, model_digest
 
 SPECS = ["fp32", "fp16", "int8", "int8:64", "topk:0.01", "topk:0.1+int8", "topk:0.5+int8:7"]
 
@@ -190,10 +192,16 @@ def test_model_difference_rebuilds_the_published_model_and_checks_its_hash() -> 
     diff, rebuilt = C.encode_model_diff(base, target, C.parse("int8"), rng())
     assert isinstance(diff, C.Encoded) and diff.nbytes < 0.3 * 4 * base.size
     assert np.abs(rebuilt - target).max() <= np.abs(target - base).max() / 127 * 1.0001
-    sha = C.digest(rebuilt)
-    wire = decode(encode(Update(1, 0, "pi-01", 1, 1, 0.0, 0.0, 0.0, diff))).delta  # the decoded difference
-    assert np.array_equal(C.apply_model_diff(base, wire, sha), rebuilt)
-    with pytest.raises(ModelMismatch, match="sha256"):
-        C.apply_model_diff(base + np.float32(1e-3), wire, sha)  # another base: another result
-    with pytest.raises(ModelMismatch, match="entries"):
-        C.apply_model_diff(base[:10], wire, sha)
+    held, sha = GlobalModel(1, 0, model_digest(base, {}), base), model_digest(rebuilt, {})
+    broadcast = decode(encode(GlobalModel(2, 1, sha, diff, diff_base=held.sha256)))  # the difference, decoded
+    assert isinstance(broadcast, GlobalModel)
+    named = Assignment(1, 0.1, 8, model_sha256=sha)
+    cache = ModelCache()
+    assert not cache.add(broadcast) and cache.missed == sha  # without the base: nothing kept, the full model asked for
+    assert cache.add(held) and cache.add(broadcast)
+    assert np.array_equal(cache.complete(named).weights, rebuilt)  # bit for bit what the server published
+    wrong = dataclasses.replace(broadcast, sha256=model_digest(target, {}))  # announced: a model it does not rebuild
+    other = ModelCache()
+    assert other.add(held) and not other.add(wrong) and other.missed == wrong.sha256
+    short = dataclasses.replace(broadcast, weights=broadcast.weights[:10])  # a difference for another model's size
+    assert not other.add(short)

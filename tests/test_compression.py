@@ -1,6 +1,7 @@
 """The device side of compression (edge_client/compression.py) inside a real EdgeClient: uploads coded as the
 assignment says, top-k error feedback carrying exactly what was not sent, its residual surviving a restart, and the
-model difference applied to the held model or refused."""
+round model's broadcast difference applied to the model held, or the full model asked for, never a model that does not
+hash to its digest."""
 
 from __future__ import annotations
 
@@ -8,17 +9,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, num_params
-from edge_client.protocol import Assignment, Failure, Hello, Message, Presence, Resync, Update, encode
+from edge_client.models_cache import ModelCache
+from edge_client.protocol import (
+    Assignment,
+    Failure,
+    GlobalModel,
+    Hello,
+    Message,
+    ModelRequest,
+    Presence,
+    Resync,
+    Update,
+    encode,
+)
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import Plan, TrainResult
+from server.distribution import Distribution
+from server.downlink import Downlink
 from server.experiments.inprocess import LocalBus, LocalLink
 
 JOB, CID = "comp", "pi-01"
@@ -42,11 +57,14 @@ class Scripted:
 
 
 class Device:
-    """One EdgeClient on an in-process bus, and the server's end of that bus."""
+    """One EdgeClient on an in-process bus, and the server's end of that bus, sending rounds as the server does
+    (``server.distribution``: the round's model broadcast, with ``downlink`` its codec, then the assignment)."""
 
-    def __init__(self, state_dir: Path, train: Scripted) -> None:
+    def __init__(self, state_dir: Path, train: Scripted, downlink: str = "fp32") -> None:
         self.bus = LocalBus()
         self.server = LocalLink(self.bus, [TOPICS.all_up]).start()
+        self.distribution = Distribution(self.server, TOPICS, FEDAVG, Downlink(downlink, seed=0))
+        self.requests: list[ModelRequest] = []  # the device asked for the full model
         rng = np.random.default_rng(0)
         data = ArrayDataset(rng.normal(size=(20, 8)).astype(np.float32), rng.integers(0, 3, size=20))
         self.client = EdgeClient(
@@ -70,12 +88,22 @@ class Device:
         self.run = run_id
 
     def serve(self, a: Assignment) -> Message:
-        """Send ``a``, let the device handle it, return what it answered (its update or failure)."""
+        """Send ``a`` with its model, let the device handle it, answer its request for the model if it asks; return
+        what it answered (its update or failure)."""
         if a.run_id != self.run:
             self.announce(a.run_id)
-        self.server.publish(TOPICS.down(CID), encode(a))
-        assert self.bus.run_next_client()
-        return self.receive()
+        self.distribution.send(a.round, a.model_version, {CID: a})
+        return self.answer()
+
+    def answer(self) -> Message:
+        """Run the device until it sends its update or failure, sending it the full model when it asks."""
+        while True:
+            assert self.bus.run_next_client()
+            msg = self.receive()
+            if not isinstance(msg, ModelRequest):
+                return msg
+            self.requests.append(msg)
+            self.distribution.answer(CID, msg, {CID})
 
 
 def assignment(round_: int, codec: str = "fp32", run: str = "run-a", **fields: Any) -> Assignment:
@@ -151,39 +179,46 @@ def test_a_diverged_round_is_reported_not_sent_lossily(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ model difference
-def test_a_device_rebuilds_the_model_from_a_difference_and_checks_its_hash(tmp_path: Path) -> None:
+def test_a_device_rebuilds_the_model_from_the_broadcast_difference_or_asks_for_it(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     m1 = rng.standard_normal(SIZE).astype(np.float32)
     w2 = m1 + rng.standard_normal(SIZE).astype(np.float32) * np.float32(0.01)
-    diff, m2 = C.encode_model_diff(m1, w2, C.parse("int8"), rng)
+    w3 = w2 + rng.standard_normal(SIZE).astype(np.float32) * np.float32(0.01)
     train = Scripted(deltas(3))
-    device = Device(tmp_path, train)
-    assert isinstance(device.serve(assignment(1, weights=m1, model_sha256=C.digest(m1))), Update)
-    answer = device.serve(assignment(2, weights=diff, diff_base=C.digest(m1), model_sha256=C.digest(m2)))
-    assert isinstance(answer, Update)
-    assert np.array_equal(train.started_from[1], m2)  # the published model, bit for bit
-    # a difference from a model the device does not hold: refused, so the server sends the full model next
-    answer = device.serve(assignment(3, weights=diff, diff_base=C.digest(m1), model_sha256=C.digest(m2)))
-    assert isinstance(answer, Failure) and answer.reason == "model_mismatch" and "holds" in answer.detail
-    assert len(train.started_from) == 2  # it did not train on anything
+    device = Device(tmp_path, train, downlink="int8")
+    assert isinstance(device.serve(assignment(1, weights=m1)), Update)
+    assert device.distribution.broadcast == "model" and np.array_equal(train.started_from[0], m1)
+    assert isinstance(device.serve(assignment(2, weights=w2)), Update)
+    assert device.distribution.broadcast == "difference" and device.requests == []
+    published = device.distribution.current
+    assert published is not None and np.array_equal(train.started_from[1], published.weights)  # bit for bit
+    assert not np.array_equal(published.weights, w2)  # lossy: the model devices rebuild, not the server's
+    # a device without the difference's base (a restarted process keeps no models) asks at once for the full model
+    device.client.models = ModelCache()
+    assert isinstance(device.serve(assignment(3, weights=w3)), Update)
+    published = device.distribution.current
+    assert published is not None and [r.sha256 for r in device.requests] == [published.sha256]
+    assert device.distribution.broadcast == "difference" and np.array_equal(train.started_from[2], published.weights)
 
 
-def test_a_rebuilt_model_with_the_wrong_hash_is_refused(tmp_path: Path) -> None:
+def test_a_model_that_does_not_hash_to_its_digest_is_never_trained_on(tmp_path: Path) -> None:
     m1 = np.ones(SIZE, np.float32)
+    train = Scripted(deltas(2))
+    device = Device(tmp_path, train, downlink="int8")
+    assert isinstance(device.serve(assignment(1, weights=m1)), Update)
+    held = device.distribution.current
+    assert held is not None
     diff, _ = C.encode_model_diff(m1, m1 * 2, C.parse("int8"), np.random.default_rng(0))
-    device = Device(tmp_path, Scripted(deltas(2)))
-    device.serve(assignment(1, weights=m1, model_sha256=C.digest(m1)))
-    answer = device.serve(assignment(2, weights=diff, diff_base=C.digest(m1), model_sha256="0" * 64))
-    assert isinstance(answer, Failure) and answer.reason == "model_mismatch" and "sha256" in answer.detail
-    corrupt = device.serve(assignment(3, weights=m1, model_sha256="1" * 64))  # a full model that is not the one named
-    assert isinstance(corrupt, Failure) and corrupt.reason == "model_mismatch"
-
-
-@pytest.mark.parametrize("codec", ["int8", "topk:0.05+int8"])
-def test_the_held_model_is_dropped_when_the_server_stops_naming_it(tmp_path: Path, codec: str) -> None:
-    m1 = np.ones(SIZE, np.float32)
-    device = Device(tmp_path, Scripted(deltas(2)))
-    device.serve(assignment(1, codec, weights=m1, model_sha256=C.digest(m1)))
-    assert device.client.held.weights is not None
-    device.serve(assignment(2, codec, weights=m1))  # the downlink codec is off: nothing to keep
-    assert device.client.held.weights is None and device.client.held.sha256 == ""
+    wrong = "0" * 64  # a difference announced to rebuild a model it does not rebuild: the device asks instead
+    bad = GlobalModel(2, 1, wrong, C.decode(diff), diff_base=held.sha256, run_id="run-a")
+    device.server.publish(TOPICS.round_model_frame(0), encode(bad), retain=True)
+    device.server.publish(TOPICS.down(CID), encode(assignment(2, weights=None, model_sha256=wrong)))
+    assert device.bus.run_next_client()
+    request = device.receive()
+    assert isinstance(request, ModelRequest) and request.sha256 == wrong
+    # the full model it is sent does not hash to the digest either: a failure, and nothing trained
+    device.server.publish(TOPICS.down(CID), encode(GlobalModel(2, 1, wrong, m1 * 2, run_id="run-a")))
+    assert device.bus.run_next_client()
+    failure = device.receive()
+    assert isinstance(failure, Failure) and failure.reason == "model_hash"
+    assert len(train.started_from) == 1

@@ -255,9 +255,12 @@ def test_a_run_spills_to_its_run_directory_at_train_store_ram_mb_and_trains_the_
         out = Path(config.run.out)
         shards, _ = prepare_shards(digits, client_ids(3), config.data.partition, 0, out / "shards")
         seen: list[str] = []
-        summary = run_inprocess(
-            config, shards, digits, out, observer=Hooks({1: lambda o=out, s=seen: s.extend(spill_files(o))})
-        )
+
+        class Spy(Hooks):  # the open spill files when a row is written (the run still going)
+            def round_done(self, row: dict[str, object], o: Path = out, s: list[str] = seen) -> None:
+                s.extend(spill_files(o))
+
+        summary = run_inprocess(config, shards, digits, out, observer=Spy())
         assert summary["rounds"] == 2
         accuracies[ram_mb] = [json.loads(line)["accuracy"] for line in (out / "metrics.jsonl").read_text().splitlines()]
         open_files[ram_mb] = seen

@@ -28,7 +28,7 @@ from edge_client import codecs as C
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
 
-EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of nine frames)
+EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of eleven frames)
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=timedelta(seconds=2),  # a decode takes microseconds; seconds mean something loops or allocates wildly
@@ -64,7 +64,6 @@ assignments = st.builds(
     deadline_s=st.floats(1e-3, 1e6),
     algorithm=text,
     model=maps,
-    weights=vectors,
     alpha=st.none() | finite,
     settings=maps,
     arrays=extra_arrays,
@@ -73,6 +72,8 @@ assignments = st.builds(
     upload=st.booleans(),
     seed=nonneg,
     run_id=run_ids,
+    model_sha256=digests,
+    global_arrays=st.lists(st.text(min_size=1, max_size=4), max_size=3, unique=True),
 )
 updates = st.builds(
     P.Update,
@@ -110,18 +111,31 @@ stops = st.builds(P.Stop, text, run_ids)
 reports = st.builds(P.ComputeReport, nonneg, ids, st.integers(1, 2**31), st.floats(0.0, 1e6), st.floats(0.0, 1e6),
                     run_ids)  # fmt: skip
 models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
+global_models = st.builds(P.GlobalModel, nonneg, nonneg, digests, vectors, extra_arrays, run_ids)
+model_requests = st.builds(P.ModelRequest, nonneg, ids, digests, run_ids)
 
 
 @st.composite
 def chunks(draw: st.DrawFn) -> P.Chunk:
-    """One frame of a chunked Update (split() makes them, so count, size and digest are consistent)."""
-    payload = P.encode(draw(updates))
+    """One frame of a chunked Update or round model (split() makes them, so count, size and digest are consistent)."""
+    payload = P.encode(draw(updates | global_models))
     frames = split(payload, draw(st.integers(1, max(1, len(payload) - 1))))
     return P.decode(draw(st.sampled_from(frames)))  # type: ignore[return-value]
 
 
 messages = st.one_of(
-    hellos, assignments, updates, compressed_updates(), failures, presences, stops, models, reports, chunks()
+    hellos,
+    assignments,
+    updates,
+    compressed_updates(),
+    failures,
+    presences,
+    stops,
+    models,
+    global_models,
+    model_requests,
+    reports,
+    chunks(),
 )
 frames = messages.map(lambda m: bytes(P.encode(m)))
 
@@ -194,7 +208,6 @@ def test_every_truncation_of_each_message_type() -> None:
             alpha=0.5,
             settings={"gamma": 0.5},
             arrays={"c": vec},
-            weights=vec,
             momentum=0.5,
             weight_decay=5e-4,
             round=1,
@@ -202,6 +215,8 @@ def test_every_truncation_of_each_message_type() -> None:
             algorithm="taco",
             model={"name": "mlp"},
             run_id="r1",
+            model_sha256="0" * 64,
+            global_arrays=["c_global"],
         ),
         P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
         P.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
@@ -209,6 +224,8 @@ def test_every_truncation_of_each_message_type() -> None:
         P.Presence("pi-01", True),
         P.Stop("done"),
         P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),
+        P.GlobalModel(3, 2, P.model_digest(vec, {"c": vec}), vec, {"c": vec}, run_id="r1"),
+        P.ModelRequest(3, "pi-01", "0" * 64, run_id="r1"),
     ]
     payloads = [bytes(P.encode(m)) for m in examples] + [bytes(f) for f in split(P.encode(examples[2]), 40)[:2]]
     assert {P.decode(p).TYPE for p in payloads} == {m.TYPE for m in examples} | {"chunk"}
@@ -281,14 +298,16 @@ def test_header_values_of_wrong_types(payload: bytes, data: st.DataObject, value
 
 @FUZZ
 @given(
-    updates,
+    updates | global_models,
     st.integers(8, 96),
     st.lists(
         st.tuples(st.sampled_from(["flip", "cut", "repeat", "drop", "swap"]), st.integers(0, 2**16), st.integers(0, 7)),
         max_size=6,
     ),
 )
-def test_hostile_chunk_streams(update: P.Update, chunk_size: int, ops: list[tuple[str, int, int]]) -> None:
+def test_hostile_chunk_streams(
+    update: P.Update | P.GlobalModel, chunk_size: int, ops: list[tuple[str, int, int]]
+) -> None:
     """Chunk frames flipped, truncated, repeated, dropped and reordered: the Reassembler rejects each bad frame
     specifically and delivers the message at most once, exactly as sent (sha256 over the whole frame)."""
     original = bytes(P.encode(update))

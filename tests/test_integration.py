@@ -46,8 +46,7 @@ def test_garbage_payload_mid_run_is_rejected_and_run_completes(federation, broke
         intruder.publish(up, b"\x00\xffnot msgpack at all", qos=1).wait_for_publish(5)
         intruder.publish(up, b"\x93\x01\x02", qos=1).wait_for_publish(5)  # valid msgpack, not a header map
 
-    hooks = Hooks({1: inject})
-    orch.observer = hooks
+    hooks = Hooks({1: inject}).attach(orch)
     summary = orch.run()
     assert summary["rounds"] == 3
     assert summary["rejected"].get("malformed", 0) == 2
@@ -66,8 +65,7 @@ def test_frozen_and_killed_clients_do_not_stall_rounds(federation) -> None:
         procs["client-01"].kill()
         procs["client-01"].wait()
 
-    hooks = Hooks({1: freeze_c2, 2: kill_c1})
-    orch.observer = hooks
+    hooks = Hooks({1: freeze_c2, 2: kill_c1}).attach(orch)
     summary = orch.run()
     rows = hooks.rows
     assert summary["rounds"] == 4

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -380,3 +382,46 @@ def test_update_claiming_more_steps_than_told_is_rejected(orch: Orchestrator) ->
     send(orch, "c0", update(orch, "c0", local_steps=3))  # told 2: FedNova/FedVeca would overweight it
     assert orch.link.rejections == {"steps": 1}
     assert received(orch) == {}
+
+
+def test_round_t_is_evaluated_while_round_t_plus_1_trains(broker: Broker, digits, tmp_path: Path) -> None:
+    """The evaluation of round t's model waits for round t+1's assignment to reach the device: it can finish only if
+    it runs beside that round, not between the rounds. The rows still come one per round, in order, each stamped with
+    the time its model was produced (before the next round began) and evaluated on that model."""
+    job = f"o{uuid.uuid4().hex[:10]}"
+    rounds = 3
+    config = make_config(tmp_path, job, rounds=rounds, count=1)
+    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
+    assigned = {r: threading.Event() for r in range(1, rounds + 2)}
+    assigned_at: dict[int, float] = {}
+    saw_next_round: list[bool] = []
+
+    class Gated(Evaluator):
+        def __call__(self, weights: np.ndarray) -> dict[str, float]:
+            round_ = len(saw_next_round) + 1  # FedAvg has no other outputs: one call per round
+            saw_next_round.append(round_ == rounds or assigned[round_ + 1].wait(timeout=60))
+            return super().__call__(weights)
+
+    def respond(a: Assignment) -> list[bytes | bytearray]:
+        assigned_at.setdefault(a.round, time.monotonic())
+        assigned[a.round].set()
+        return [encode(zero_update(a, "c0", 50))]
+
+    out = tmp_path / "run"
+    orch = Orchestrator(config, link, Gated(digits.model, digits.test), digits.model, out)
+    creds = broker.devices["c0"]
+    fake = FakeDevice.over_mqtt(broker.url, creds.username, creds.password, job, "c0", 50, respond)
+    fake.start()
+    start = time.monotonic()
+    try:
+        summary = orch.run()
+    finally:
+        fake.stop(timeout=30)
+    assert summary["rounds"] == rounds and saw_next_round == [True] * rounds
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for r in rows[:-1]:  # produced before the device got the next round's assignment
+        assert start + r["elapsed_s"] < assigned_at[r["round"] + 1], r
+    tested = Evaluator(digits.model, digits.test)(initial_weights(digits.model))
+    assert all(r["accuracy"] == tested["accuracy"] and r["loss"] == pytest.approx(tested["loss"]) for r in rows)
+    assert all(r["eval_s"] >= 0 for r in rows)

@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from edge_client import codecs
 from edge_client import protocol as P
 
 V = P.PROTOCOL_VERSION
@@ -25,10 +26,11 @@ def _assignment(**kw: Any) -> P.Assignment:
         deadline_s=30.0,
         algorithm="taco",
         model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
-        weights=np.arange(10, dtype=np.float32),
         alpha=0.5,
         settings={"beta": 0.9, "flag": True, "mode": "x"},
-        arrays={"c": np.full(10, 0.25, np.float32), "c_global": np.ones(10, np.float32)},
+        arrays={"c": np.full(10, 0.25, np.float32), "c_i": np.ones(10, np.float32)},
+        model_sha256="ab" * 32,
+        global_arrays=["c_global"],
         momentum=0.5,
         weight_decay=5e-4,
         upload=False,
@@ -59,6 +61,12 @@ def _update(**kw: Any) -> P.Update:
     return P.Update(**args)
 
 
+def _global_model(**kw: Any) -> P.GlobalModel:
+    weights = np.linspace(-1, 1, 10, dtype=np.float32)
+    arrays = kw.pop("arrays", {"c_global": np.full(10, 0.5, np.float32)})
+    return P.GlobalModel(3, 2, P.model_digest(weights, arrays), weights, arrays, run_id="3f2a9c1b7d4e", **kw)
+
+
 def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail: bytes | None = None) -> bytes:
     """Re-pack a valid frame's header after ``fn`` edits it (bypasses encode's own validation)."""
     header, off = P.read_header(payload)
@@ -78,6 +86,9 @@ MESSAGES = [
     P.Stop("done"),
     P.Stop("done", run_id="3f2a9c1b7d4e"),
     P.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
+    _global_model(),
+    _global_model(arrays={}),
+    P.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
     P.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
 ]
 
@@ -188,8 +199,9 @@ def test_message_id() -> None:
 def test_missing_fields() -> None:
     _reject(_edit(GOOD, lambda h: h["f"].pop("round")), P.MissingField, "update: missing field 'round'")
     _reject(_edit(GOOD, lambda h: h.update(a=[]), tail=b""), P.MissingField, "update: missing field 'delta'")
-    assignment = P.encode(_assignment(arrays={}))
-    _reject(_edit(assignment, lambda h: h.update(a=[]), tail=b""), P.MissingField, "'weights'")
+    model = P.encode(_global_model(arrays={}))
+    _reject(_edit(model, lambda h: h.update(a=[]), tail=b""), P.MissingField, "global_model: missing field 'weights'")
+    _reject(_edit(P.encode(_assignment()), lambda h: h["f"].pop("sha256")), P.MissingField, "'sha256'")
 
 
 @pytest.mark.parametrize(
@@ -229,6 +241,12 @@ def test_invalid_update_fields(field: str, value: Any, expected: str) -> None:
         ("alpha", "0.5"),
         ("model", "cnn"),
         ("algorithm", None),
+        ("sha256", "ab" * 31),
+        ("sha256", "AB" * 32),
+        ("globals", "c_global"),
+        ("globals", ["c", "c"]),
+        ("globals", [""]),
+        ("globals", ["x"] * 33),
     ],
 )
 def test_invalid_assignment_fields(field: str, value: Any) -> None:
@@ -259,6 +277,22 @@ def test_shapes() -> None:
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "delta")), P.InvalidField, "repeated")
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "weights")), P.InvalidField, "weights")
     _reject(_edit(P.encode(P.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
+    # the model never travels inside an assignment: only its own arrays ("x:...") may
+    a = P.encode(_assignment())
+    _reject(_edit(a, lambda h: h["a"][0].__setitem__(0, "weights")), P.InvalidField, "assignment", "weights")
+
+
+def test_model_digest_names_weights_and_every_shared_array() -> None:
+    """Two models with any byte or array name different never share a digest; equal content always does."""
+    w = np.arange(6, dtype=np.float32)
+    c = np.ones(6, np.float32)
+    base = P.model_digest(w, {"c": c})
+    assert base == P.model_digest(w.copy(), {"c": c.copy()}) == P.model_digest(w.astype(">f4"), {"c": c})
+    w2 = w.copy()
+    w2[3] = np.nextafter(w2[3], np.float32(10))
+    others = [P.model_digest(w2, {"c": c}), P.model_digest(w, {}), P.model_digest(w, {"d": c}),
+              P.model_digest(w, {"c": c, "d": c}), P.model_digest(np.concatenate([w, c]), {})]  # fmt: skip
+    assert len({base, *others}) == 1 + len(others)
 
 
 def test_encode_rejects_bad_arrays() -> None:
@@ -299,3 +333,21 @@ def test_reasons_are_distinct() -> None:
     classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
     assert len({c.reason for c in classes}) == len(classes) == 13
     assert all(issubclass(c, ValueError) for c in classes)
+
+
+def test_a_round_model_may_carry_its_weights_as_a_compressed_difference_and_nothing_else_compressed() -> None:
+    """The int8 downlink (server.downlink): a GlobalModel's weights may travel coded, decoded on arrival; its shared
+    arrays and an assignment's arrays may not (only an update's arrays are coded otherwise)."""
+    rng = np.random.default_rng(0)
+    diff = codecs.encode(rng.standard_normal(600).astype(np.float32), codecs.parse("int8"), rng)
+    c = np.full(600, 0.5, np.float32)
+    message = P.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
+    got = P.decode(P.encode(message))
+    assert isinstance(got, P.GlobalModel) and got.diff_base == "cd" * 32
+    assert np.array_equal(got.weights, codecs.decode(diff)) and np.array_equal(got.arrays["c"], c)
+    coded_c = P.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
+    _reject(P.encode(coded_c), P.InvalidField, "'x:c'", "dtype")
+    assignment = _assignment()
+    assignment.arrays = {"c": diff}
+    _reject(P.encode(assignment), P.InvalidField, "'x:c'", "dtype")
+    _reject(_edit(P.encode(message), lambda h: h["f"].update(diff_base="xyz")), P.InvalidField, "'diff_base'")

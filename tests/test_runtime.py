@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -15,15 +16,31 @@ import pytest
 from conftest import train_assignment
 from torch import nn
 
+from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model, get_flat, num_params
-from edge_client.protocol import Ack, Assignment, Failure, Hello, Message, Presence, Resync, Stop, Update, encode
+from edge_client.protocol import (
+    Ack,
+    Assignment,
+    Failure,
+    GlobalModel,
+    Hello,
+    Message,
+    ModelRequest,
+    Presence,
+    Resync,
+    Stop,
+    Update,
+    encode,
+    model_digest,
+)
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
+from server.distribution import Distribution
 
 TIMEOUT = 30.0
 CID = "c3"
@@ -65,6 +82,12 @@ class FakeServer:
         online = Presence(client_id="server", online=True, role="server", model=dict(SPEC))
         self.link.publish(self.topics.server, encode(online), retain=True)
         assert self.link.wait_published(TIMEOUT)
+        self.distribution = Distribution(self.link, self.topics, FEDAVG)  # the server's own way of sending rounds
+
+    def assign(self, a: Assignment) -> None:
+        """``a`` as the server sends it: its model broadcast once per version, then the assignment naming it."""
+        self.distribution.send(a.round, a.model_version, {CID: a})
+        assert self.link.wait_published(TIMEOUT)
 
     def send(self, msg: Message, topic: str | None = None) -> None:
         self.link.publish(topic or self.topics.down(CID), encode(msg))
@@ -89,6 +112,8 @@ class FakeServer:
             assert isinstance(msg, skip), f"expected {kind.__name__}, got {msg!r}"
 
     def stop(self) -> None:
+        self.distribution.clear()
+        self.link.wait_published(TIMEOUT)
         self.link.stop()
 
 
@@ -153,9 +178,9 @@ def test_two_rounds_with_a_custom_model_factory(broker: Broker, job: str, server
 
     weights = get_flat(build_model(SPEC))
     first = assignment(1, 7, weights)
-    server.send(first)
+    server.assign(first)
     update1 = server.expect(Update, skip=(Hello,))
-    server.send(assignment(2, 3, weights - update1.delta))
+    server.assign(assignment(2, 3, weights - update1.delta))
     update2 = server.expect(Update, skip=(Hello,))
 
     runner.join()  # max_rounds=2: run() returns after the second update
@@ -215,8 +240,8 @@ def test_assignment_with_mismatched_model_is_reported_and_skipped(
     good = get_flat(build_model(SPEC))
     wrong = get_flat(build_model(OTHER_SPEC))
     assert wrong.size != good.size
-    server.send(assignment(1, 5, wrong, spec=SPEC))  # SPEC's model, OTHER_SPEC's weights
-    server.send(assignment(2, 4, good, spec=SPEC))
+    server.assign(assignment(1, 5, wrong, spec=SPEC))  # SPEC's model, OTHER_SPEC's weights
+    server.assign(assignment(2, 4, good, spec=SPEC))
 
     # MQTT keeps one publisher's QoS 1 order and the client serves one assignment at a time: round 1's answer
     # arrives before round 2's. It is a failure report (the server stops waiting), not an update.
@@ -230,3 +255,80 @@ def test_assignment_with_mismatched_model_is_reported_and_skipped(
     done = server.expect(Presence, skip=(Hello,))
     assert done.reason == "done"
     assert any("round 1" in r.getMessage() and "cannot serve" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_held_is_not_fetched_again(broker: Broker, job: str, server: FakeServer) -> None:
+    """Two rounds from the same model version (a dropped round): it is broadcast once, the device trains both rounds
+    from it, and its second round downloads only the assignment."""
+    dataset = make_dataset()
+    runner = ClientThread(make_client(broker, job, dataset), max_rounds=2)
+    server.expect(Hello)
+    spec = {**SPEC, "hidden": [256]}  # 12 kB of weights: far more than an assignment
+    weights = get_flat(build_model(spec))
+    server.assign(assignment(1, 3, weights, spec))
+    update1 = server.expect(Update, skip=(Hello,))
+    out_before = server.link.bytes_out
+    server.assign(assignment(2, 3, weights, spec))
+    update2 = server.expect(Update, skip=(Hello,))
+    runner.join()
+    sent = server.link.bytes_out - out_before
+    assert sent < weights.nbytes / 10  # round 2: the assignment alone, no model
+    assert update1.metrics["bytes_down"] > weights.nbytes  # round 1: the model came with it
+    assert sent <= update2.metrics["bytes_down"] < weights.nbytes / 10  # the assignment (and an ack the server sent)
+    sampler, flat = BatchSampler(len(dataset), 8, 2, CID), FlatModel(build_model(spec))  # what round 2 trains on
+    for a, update in ((assignment(1, 3, weights, spec), update1), (assignment(2, 3, weights, spec), update2)):
+        expected = train_assignment(flat, dataset, sampler, a, FedAvgClient())
+        np.testing.assert_allclose(update.delta, expected.delta, rtol=1e-5, atol=1e-6)
+
+
+def test_a_device_that_missed_the_model_asks_the_server_for_it(broker: Broker, job: str, server: FakeServer) -> None:
+    """The assignment arrives but the broadcast did not: the device asks once and trains on the model the server
+    sends to it alone, byte for byte what the broadcast would have carried."""
+    dataset = make_dataset()
+    runner = ClientThread(make_client(broker, job, dataset, model_wait_s=0.2), max_rounds=1)
+    server.expect(Hello)
+    weights = get_flat(build_model(SPEC))
+    a = assignment(1, 4, weights)
+    slim = server.distribution.split(1, 0, {CID: a})[CID]  # the model is never broadcast
+    server.send(slim)
+    request = server.expect(ModelRequest, skip=(Hello,))
+    assert (request.client_id, request.round, request.sha256) == (CID, 1, model_digest(weights, {}))
+    server.distribution.answer(CID, request, told={CID})
+    update = server.expect(Update, skip=(Hello,))
+    runner.join()
+    expected = train_assignment(
+        FlatModel(build_model(SPEC)), dataset, BatchSampler(len(dataset), 8, 2, CID), a, FedAvgClient()
+    )
+    np.testing.assert_allclose(update.delta, expected.delta, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_that_does_not_match_its_digest_is_reported_not_trained(
+    broker: Broker, job: str, server: FakeServer
+) -> None:
+    runner = ClientThread(make_client(broker, job, make_dataset(), model_wait_s=60.0), max_rounds=1)
+    server.expect(Hello)
+    weights = get_flat(build_model(SPEC))
+    slim = server.distribution.split(1, 0, {CID: assignment(1, 4, weights)})[CID]
+    server.send(slim)
+    garbage = weights.copy()
+    garbage[7] += 1.0  # one value off: the bytes no longer hash to the digest the assignment names
+    server.send(GlobalModel(1, 0, slim.model_sha256, garbage), topic=server.topics.round_model_frame(0))
+    failure = server.expect(Failure, skip=(Hello,))
+    assert (failure.round, failure.reason) == (1, "model_hash")
+    server.assign(assignment(2, 4, weights))  # the device keeps serving
+    assert server.expect(Update, skip=(Hello,)).round == 2
+    runner.join()
+
+
+def test_a_model_that_never_comes_is_reported_at_the_deadline(broker: Broker, job: str, server: FakeServer) -> None:
+    runner = ClientThread(make_client(broker, job, make_dataset(), model_wait_s=0.1), max_rounds=1)
+    server.expect(Hello)
+    weights = get_flat(build_model(SPEC))
+    slim = server.distribution.split(1, 0, {CID: assignment(1, 4, weights)})[CID]
+    server.send(dataclasses.replace(slim, deadline_s=1.0))
+    server.expect(ModelRequest, skip=(Hello,))  # asked, never answered
+    failure = server.expect(Failure, skip=(Hello,))
+    assert (failure.round, failure.reason) == (1, "model_unavailable")
+    server.assign(assignment(2, 4, weights))
+    assert server.expect(Update, skip=(Hello,)).round == 2
+    runner.join()

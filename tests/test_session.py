@@ -23,6 +23,7 @@ from edge_client.protocol import (
     Update,
     decode,
     encode,
+    model_digest,
 )
 from edge_client.session import RESEND_FIRST_S, Session
 from edge_client.topics import Topics
@@ -39,9 +40,11 @@ class Clock:
 
 
 def assignment(run_id: str, round_: int, deadline_s: float = 60.0) -> Assignment:
-    return Assignment(local_steps=1, lr=0.1, batch_size=4, weights=np.zeros(3, np.float32), round=round_,
-                      model_version=round_, deadline_s=deadline_s, algorithm="fedavg", model={},
-                      run_id=run_id)  # fmt: skip
+    """As the server sends it: naming its round's model (``server.distribution``)."""
+    weights = np.zeros(3, np.float32)
+    return Assignment(local_steps=1, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
+                      deadline_s=deadline_s, algorithm="fedavg", model={}, run_id=run_id,
+                      model_sha256=model_digest(weights, {}))  # fmt: skip
 
 
 def online(run_id: str) -> Presence:

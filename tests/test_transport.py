@@ -21,13 +21,16 @@ from edge_client import chunking
 from edge_client.protocol import (
     Assignment,
     Failure,
+    GlobalModel,
     Hello,
     Message,
     MessageTooLarge,
+    ModelRequest,
     Presence,
     Stop,
     Update,
     encode,
+    model_digest,
 )
 from edge_client.topics import Topics
 from edge_client.transport import PUBLISH_OVERHEAD, LinkConfig, MqttLink
@@ -146,12 +149,15 @@ def test_multi_chunk_update_arrives_whole_and_equal(broker: Broker, links: LinkF
 def test_every_production_message_type_round_trips(broker: Broker, links: LinkFactory) -> None:
     topics = new_topics()
     server = links(broker.server, [topics.all_up])
-    device = links(broker.devices["c1"], [topics.down("c1"), topics.broadcast, topics.server])
+    device = links(
+        broker.devices["c1"], [topics.down("c1"), topics.broadcast, topics.server, topics.round_model_frames]
+    )
 
     upward: list[Message] = [
         Hello(client_id="c1", num_samples=1797, device={"hostname": "pi", "cpu_count": 4, "temp_c": 51.5}),
         make_update("c1", 1000),
         Failure(round=3, client_id="c1", reason="train_error", detail="out of memory", run_id="run-1"),
+        ModelRequest(round=3, client_id="c1", sha256="ab" * 32, run_id="run-1"),
         Presence(client_id="c1", online=False, reason="connection lost"),
     ]
     for msg in upward:
@@ -170,7 +176,6 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
         deadline_s=60.0,
         algorithm="fedavg",
         model={"name": "mlp", "in_features": 64, "num_classes": 10},
-        weights=np.linspace(-1, 1, 5000, dtype=np.float32),
         alpha=0.5,
         settings={"zeta": 0.01},
         arrays={"c": np.ones(4, dtype=np.float32)},
@@ -179,15 +184,20 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
         upload=False,
         seed=7,
         run_id="run-1",
+        model_sha256="ab" * 32,
+        global_arrays=["c_global"],
     )
+    weights, shared = np.linspace(-1, 1, 5000, dtype=np.float32), {"c_global": np.ones(5000, dtype=np.float32)}
+    model = GlobalModel(3, 2, model_digest(weights, shared), weights, shared, run_id="run-1")
     downward: list[tuple[str, Message]] = [
+        (topics.round_model, model),  # sent on frame 0's topic, received as the round model's stream
         (topics.down("c1"), assignment),
         (topics.down("c1"), Stop(reason="you are done")),
         (topics.broadcast, Stop(reason="training finished", run_id="run-1")),
         (topics.server, Presence(client_id="server", online=True, role="server")),
     ]
     for topic, msg in downward:
-        server.publish(topic, encode(msg))
+        server.publish(topics.round_model_frame(0) if topic == topics.round_model else topic, encode(msg))
     for topic, msg in downward:
         got_topic, got = receive(device)
         assert got_topic == topic

@@ -57,8 +57,10 @@ class LocalBus:
         self.clients: list[tuple[EdgeClient, LocalLink]] = []
 
     def deliver(self, sender: LocalLink, topic: str, payload: bytes, retain: bool) -> None:
-        if retain:
+        if retain and payload:
             self.retained[topic] = payload
+        elif retain:  # an empty retained message clears the topic, as on a broker
+            self.retained.pop(topic, None)
         for link in self.links:
             if link is not sender and link.subscribed(topic):
                 link.put(topic, payload)
@@ -132,6 +134,10 @@ class LocalLink(Inbox):
     def wait_published(self, timeout: float) -> bool:
         return True
 
+    def chunk_size(self) -> int:
+        """What an MQTT link uses by default, so that big messages travel as the same chunk frames."""
+        return LinkConfig.chunk_size
+
     def receive(self, timeout: float) -> tuple[str, Message] | None:
         """Never waits: when nothing is queued, the next client with work runs first; None once nobody has any."""
         received = super().receive(0)
@@ -180,6 +186,7 @@ def run_inprocess(
             device_class=profiles[cid].name if cid in profiles else None,
             holdout=holdout,
             allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
+            model_wait_s=0.0,  # nothing is in flight in-process: a model not here at its assignment was missed
         )
         bus.add_client(client)
     orchestrator = make_orchestrator(

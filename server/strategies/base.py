@@ -230,6 +230,4 @@ def assignment_summary(a: Assignment) -> dict[str, Any]:
         out["arrays"] = sorted(a.arrays)
     if not a.upload:
         out["upload"] = False
-    if a.model_sha256:  # the downlink codec is on: the full model, or the difference from the last one
-        out["downlink"] = "difference" if a.diff_base else "full"
     return out

@@ -1,0 +1,173 @@
+"""One model per round: the global model goes out once for every device, each assignment only names it.
+
+A round's assignments all start from the same model and share the arrays their contract declares ``scope="global"``
+(SCAFFOLD's c, STEM's v_bar, TACO's Delta_t, FedACG's look-ahead model, which strategies set as the assignment's
+weights). Those travel once, as one ``GlobalModel`` named by its sha256, published frame by frame on the job's
+round-model topics (``Topics.round_model_frame(i)``, retained, so a broker that keeps retained messages can hand a
+device that connects mid-round the whole model); a version is published once however many rounds start from it.
+Each assignment keeps its instructions, the model's version and digest, the shared arrays' names it uses and the
+arrays meant for that client alone. Nothing depends on the retained copy (an ejabberd cluster does not share it
+across nodes, docs/scaling.md): a device that did not get the model asks (``ModelRequest``) and is sent it on its
+own topic, once per round. The server's egress is counted here, per round.
+
+With ``train.downlink_codec = "int8"`` (``server.downlink``) the broadcast carries the int8-coded difference from the
+previous version instead, and the model it names is the one devices rebuild from it: a device that holds the previous
+version applies the difference and checks the digest; one that does not, or whose check fails, asks, and is sent the
+full model on its own topic. The broadcast is counted once in the round's egress.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection
+
+import numpy as np
+
+from edge_client import chunking
+from edge_client.contract import Contract
+from edge_client.protocol import (
+    Assignment,
+    DuplicateMessage,
+    GlobalModel,
+    InvalidField,
+    ModelRequest,
+    OutOfRound,
+    encode,
+    model_digest,
+)
+from edge_client.topics import Topics
+from edge_client.transport import Link
+from server.downlink import Downlink
+
+log = logging.getLogger("edgefl.server")
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
+
+
+def split_round(
+    contract: Contract, round_: int, version: int, assignments: dict[str, Assignment]
+) -> tuple[GlobalModel, dict[str, Assignment]]:
+    """The round's ``GlobalModel`` from complete assignments (weights set), and the assignments without it.
+
+    Raises ValueError when the strategy gave clients of one round different start models or shared arrays.
+    """
+    shared_names = {a.name for a in contract.sends if a.scope == "global"}
+    first = next(iter(assignments.values()))
+    assert first.weights is not None  # the orchestrator fills in the global model
+    weights, shared, uses = first.weights, {}, {}
+    for cid, a in assignments.items():
+        if a.weights is None or not _same(a.weights, weights):
+            raise ValueError(f"{contract.name}: clients of round {round_} start from different models")
+        uses[cid] = sorted(shared_names & a.arrays.keys())
+        for name in uses[cid]:
+            if not _same(shared.setdefault(name, a.arrays[name]), a.arrays[name]):
+                raise ValueError(f"{contract.name}: array {name!r} of scope 'global' differs between clients")
+    sha = model_digest(weights, shared)
+    own = {cid: {k: v for k, v in a.arrays.items() if k not in shared_names} for cid, a in assignments.items()}
+    slim = {
+        cid: dataclasses.replace(a, weights=None, model_sha256=sha, global_arrays=uses[cid], arrays=own[cid])
+        for cid, a in assignments.items()
+    }
+    return GlobalModel(round_, version, sha, weights, shared, run_id=first.run_id), slim
+
+
+class Distribution:
+    """Publishes each round's model once and the assignments that name it; answers devices that missed it."""
+
+    def __init__(self, link: Link, topics: Topics, contract: Contract, downlink: Downlink | None = None) -> None:
+        self.link = link
+        self.topics = topics
+        self.contract = contract
+        self.downlink = downlink or Downlink("fp32", 0)  # fp32: the broadcast is the model itself
+        self.current: GlobalModel | None = None  # the model of the round in progress (as devices hold it)
+        self.message: GlobalModel | None = None  # what broadcasts it (the model, or its difference from the last)
+        self.bytes_out = 0  # since the last take_bytes_out()
+        self._payload: tuple[str, bytes | bytearray] = ("", b"")  # a message's id and its frame, encoded once
+        self._published = ""  # sha256 of the model last broadcast by this server
+        self._frames = 0  # frames of the last broadcast, retained: cleared at the end
+        self._answered: set[str] = set()  # clients sent the current model on request this round
+        self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
+        self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
+
+    def split(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, Assignment]:
+        """``split_round``, the model kept as ``current`` (what a device that missed it is sent) and its broadcast
+        as ``message``; the assignments name the model as devices hold it."""
+        start, slim = split_round(self.contract, round_, version, assignments)
+        self.current, self.message = self.downlink.publish(start)
+        if self.current.sha256 != start.sha256:
+            slim = {cid: dataclasses.replace(a, model_sha256=self.current.sha256) for cid, a in slim.items()}
+        return slim
+
+    def send(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, tuple[Assignment, int]]:
+        """Publish the round's model (unless this version went out already) and every assignment; per client the
+        assignment as sent (naming the model) and its bytes."""
+        self._answered.clear()
+        if not assignments:
+            return {}
+        slim = self.split(round_, version, assignments)
+        assert self.current is not None and self.message is not None
+        new = self.current.sha256 != self._published
+        self.model_bytes = self._broadcast(self.message) if new else 0
+        self.broadcast = ("difference" if self.message.diff_base else "model") if new else ""
+        return {cid: (a, self._publish(self.topics.down(cid), encode(a))) for cid, a in slim.items()}
+
+    def _broadcast(self, model: GlobalModel) -> int:
+        """Frame ``i`` retained on its own topic: one topic would keep only the last chunk of a chunked model."""
+        payload, self._published = self.model_message(model), model.sha256
+        size = self.link.chunk_size()
+        frames = chunking.split(payload, size) if size else [payload]
+        for i, frame in enumerate(frames):
+            self._publish(self.topics.round_model_frame(i), frame, retain=True, chunked=False)
+        self._clear(len(frames))  # a shorter message (a difference) leaves no older frames retained behind it
+        self._frames = len(frames)
+        what = f"difference from {model.diff_base[:12]}" if model.diff_base else "model"
+        log.info("round %d: %s %s broadcast once: %d bytes in %d frames", model.round, what, model.sha256[:12],
+                 len(payload), len(frames))  # fmt: skip
+        return len(payload)
+
+    def model_message(self, model: GlobalModel) -> bytes | bytearray:
+        """The encoded message, built once (the broadcast; the full model for every answer to a request)."""
+        if self._payload[0] != model.msg_id:
+            self._payload = (model.msg_id, encode(model))
+        return self._payload[1]
+
+    def answer(self, sender: str, request: ModelRequest, told: Collection[str]) -> None:
+        """Send the round's model to ``sender`` alone, once per round, if its assignment names it."""
+        if request.client_id != sender:
+            raise InvalidField(f"model request on the topic of {sender!r} claims client id {request.client_id!r}")
+        model = self.current
+        if model is None or sender not in told or request.sha256 != model.sha256:
+            raise OutOfRound(f"{sender} asks for model {request.sha256[:12]} (round {request.round}), which is not "
+                             "the model of its assignment in the round in progress")  # fmt: skip
+        if sender in self._answered:
+            raise DuplicateMessage(f"{sender} was sent the model of round {model.round} once already")
+        self._answered.add(sender)
+        sent = self._publish(self.topics.down(sender), self.model_message(model))
+        log.warning("round %d: %s did not get the model broadcast; sent it %d bytes on its own topic",
+                    model.round, sender, sent)  # fmt: skip
+
+    def lost(self, sender: str) -> None:
+        """``sender`` was sent its assignment again (``server.delivery``): it may ask for the model once more."""
+        self._answered.discard(sender)
+
+    def clear(self) -> None:
+        """Remove the retained frames at the end of a run: no device needs that model any more."""
+        self._clear(0)
+        self._frames = 0
+
+    def _clear(self, first: int) -> None:
+        for i in range(first, self._frames):
+            self._publish(self.topics.round_model_frame(i), b"", retain=True, chunked=False)
+
+    def take_bytes_out(self) -> int:
+        """Bytes the server published through this module since the last call (one round's egress)."""
+        out, self.bytes_out = self.bytes_out, 0
+        return out
+
+    def _publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int:
+        sent = self.link.publish(topic, payload, retain=retain, chunked=chunked)
+        self.bytes_out += sent
+        return sent
