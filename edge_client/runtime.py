@@ -156,24 +156,23 @@ class EdgeClient:
             )
 
     def _connected(self) -> None:
-        """Every (re)connect (on the link's thread): register, and let the main loop catch up (``_catch_up``). Before
-        the server announced its model there is no hello yet: the announcement's ``_say_hello`` registers."""
+        """Every (re)connect (on the link's thread): register, and let the main loop catch up (``_catch_up``)."""
         hello = self._hello()
-        self.session.connected(self.link.session_present, hello.msg_id if hello else "")
-        if hello is not None:
-            self.link.publish(self.topics.up(self.client_id), encode(hello))
+        self.session.connected(self.link.session_present, hello.msg_id)
+        self.link.publish(self.topics.up(self.client_id), encode(hello))
 
-    def _hello(self) -> Hello | None:
-        """Registration, with this device's model for the spec the server announced (None before the announcement:
-        the server checks the model at registration)."""
-        if self._server_model is None:
-            return None
-        try:
-            layout = parameter_layout(self._model_for(self._server_model).module)
-            model: dict[str, Any] = {"digest": fingerprint(layout), "layout": layout[:LAYOUT_SENT]}
-        except Exception as exc:  # the server says so in its refusal, and its log names this device
-            log.error("cannot build the server's model %s: %s", self._server_model, exc)
-            model = {"error": str(exc)[:1000]}
+    def _hello(self) -> Hello:
+        """Registration, with this device's model for the spec the server announced. Before any announcement (its
+        retained copy may be on another node of a broker cluster) the hello states no model: the server answers it
+        with its presence on this device's own topic, and the hello that follows states the model."""
+        model: dict[str, Any] = {}
+        if self._server_model is not None:
+            try:
+                layout = parameter_layout(self._model_for(self._server_model).module)
+                model = {"digest": fingerprint(layout), "layout": layout[:LAYOUT_SENT]}
+            except Exception as exc:  # the server says so in its refusal, and its log names this device
+                log.error("cannot build the server's model %s: %s", self._server_model, exc)
+                model = {"error": str(exc)[:1000]}
         return Hello(
             client_id=self.client_id,
             num_samples=len(self.dataset),
@@ -184,11 +183,7 @@ class EdgeClient:
 
     def _say_hello(self) -> None:
         hello = self._hello()
-        if hello is None:
-            return
         self.session.sending(hello.msg_id, hello.TYPE)
-        if not self.session.since:  # the first hello of this connection (sent once the server announced its model)
-            self.session.since = hello.msg_id
         self.link.publish(self.topics.up(self.client_id), encode(hello))
 
     def _catch_up(self) -> None:

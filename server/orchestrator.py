@@ -220,10 +220,12 @@ class Orchestrator:
         """Online, retained, with the run id and the model: on every (re)connect, so the last will's retained 'offline'
         never outlives a reconnect and devices learn the current run (and send again what this server may have lost)
         and the model to say at registration they hold."""
-        online = Presence(
+        self.link.publish(self.topics.server, encode(self._online()), retain=True)
+
+    def _online(self) -> Presence:
+        return Presence(
             "server", True, "server", model=self.model_spec, fingerprint=self.fingerprint, run_id=self.run_id
         )
-        self.link.publish(self.topics.server, encode(online), retain=True)
 
     def _sender_budget(self, topic: str) -> int:
         """Bytes of chunked messages ``topic``'s sender may have in flight: one update of this round, if it owes one."""
@@ -295,8 +297,9 @@ class Orchestrator:
     def _check_model(self, sender: str, hello: Hello) -> None:
         """Refuse a device whose model is not the server's, and tell it which parameter differs."""
         stated = hello.model
-        if not stated:  # a device that does not state its model: its updates are still checked for their size
-            log.warning("client %s registers without stating its model; only its update sizes are checked", sender)
+        if not stated:  # it has not seen the server's presence (e.g. retained on another cluster node): send it
+            log.info("client %s registers without stating its model; sending it the server's presence", sender)
+            self.link.publish(self.topics.down(sender), encode(self._online()))
             return
         if stated.get("digest") == self.fingerprint:
             return
