@@ -89,6 +89,7 @@ from server.target import eval_mode, run_target
 from server.timeline import plot_timeline
 
 log = logging.getLogger("edgefl.server")
+PRESENCE_REPLY_S = 10.0  # the least time between two presences sent to one device that registers without its model
 
 
 class RoundObserver(Protocol):
@@ -178,6 +179,7 @@ class Orchestrator:
         self.admission = Admission(
             self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
         )
+        self._presence_sent: dict[str, float] = {}  # when each device was last sent the presence on its own topic
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
         self.times = times or DeviceTimes()  # each client's measured speed and transfers: deadlines and steps
         self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
@@ -297,9 +299,13 @@ class Orchestrator:
     def _check_model(self, sender: str, hello: Hello) -> None:
         """Refuse a device whose model is not the server's, and tell it which parameter differs."""
         stated = hello.model
-        if not stated:  # it has not seen the server's presence (e.g. retained on another cluster node): send it
-            log.info("client %s registers without stating its model; sending it the server's presence", sender)
-            self.link.publish(self.topics.down(sender), encode(self._online()))
+        if not stated:  # it has not seen the server's presence (e.g. retained on another cluster node): send it, at
+            # most every PRESENCE_REPLY_S per device (a device that answers every presence with a bare hello is no loop)
+            now = time.monotonic()
+            if now - self._presence_sent.get(sender, -PRESENCE_REPLY_S) >= PRESENCE_REPLY_S:
+                self._presence_sent[sender] = now
+                log.info("client %s registers without stating its model; sending it the server's presence", sender)
+                self.link.publish(self.topics.down(sender), encode(self._online()))
             return
         if stated.get("digest") == self.fingerprint:
             return
