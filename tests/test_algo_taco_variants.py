@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import train_assignment
+from fakes import as_sent
 from torch import nn
 
 from edge_client.algorithms.fedprox import FedProxClient
@@ -22,7 +23,8 @@ from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, Update, decode, encode
+from edge_client.models_cache import ModelCache
+from edge_client.protocol import Assignment, GlobalModel, Update, decode, encode
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedprox import FedProx
 from server.strategies.fedprox_taco import FedProxTaco
@@ -54,11 +56,14 @@ def make_updates(round_: int, seed: int) -> list[Update]:
 
 
 def on_the_wire(told: Assignment, weights: np.ndarray, algorithm: str) -> Assignment:
-    """A strategy's assignment -> what a device decodes (completed as the orchestrator completes it)."""
+    """A strategy's assignment -> what a device decodes (completed as the orchestrator completes it; the model goes
+    in the round's broadcast, the assignment names it)."""
     a = replace(told, round=1, deadline_s=60.0, algorithm=algorithm, weights=weights)
-    decoded = decode(encode(a))
-    assert isinstance(decoded, Assignment)
-    return decoded
+    model, slim = (decode(encode(m)) for m in as_sent(a))
+    assert isinstance(model, GlobalModel) and isinstance(slim, Assignment)
+    cache = ModelCache()
+    assert cache.add(model)
+    return cache.complete(slim)
 
 
 def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
