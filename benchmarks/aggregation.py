@@ -3,7 +3,8 @@
 Time. For N = 10, 100 and 1000 updates of d = 1M float32 parameters (``--quick``: N = 10 of d = 10k) every registered
 algorithm (``server.strategies.STRATEGIES``) is built with ``make_strategy``, set up with a ``ServerContext`` and fed
 ``Update`` objects carrying the arrays and values its contract has clients return, each admitted as the orchestrator
-admits it (``server.admission``, not timed). One round is what the orchestrator does: ``begin`` when the assignments
+admits it (``server.admission``, not timed), which measures the norm of each delta and hands it to ``fold`` as the
+orchestrator does. One round is what the orchestrator does: ``begin`` when the assignments
 are out, ``fold`` for each update as it is admitted, ``finish`` after the last one. The whole round (begin + N folds +
 finish: all the server's aggregation work) is timed against the numpy floor, ``np.sum(stacked, axis=0)`` over the
 (N, d) array, and so is ``finish`` alone (what is left after the last update arrived: the round's critical path).
@@ -145,8 +146,8 @@ class Case:
         clients = self.strategy.ctx.clients
         state = RoundState(1, 0, set(clients), assigned_steps=dict.fromkeys(clients, SETTINGS.local_steps))
         admission = Admission(self.strategy.contract, self.strategy.params, d, TrainSection.max_update_norm)
-        for u in self.updates:  # what the orchestrator checks on arrival (not timed)
-            admission.check(u.client_id, u, state, clients[u.client_id], u.run_id)
+        # what the orchestrator checks on arrival (not timed), with the norm of each delta it hands to the strategy
+        self.norms = [admission.check(u.client_id, u, state, clients[u.client_id], u.run_id) for u in self.updates]
         self.weights = weights
         self.times: list[float] = []  # begin + folds + finish
         self.finish_times: list[float] = []
@@ -164,8 +165,8 @@ class Case:
         t0 = time.perf_counter()
         rnd = self.strategy.begin(self.round, self.weights)
         t1 = time.perf_counter()
-        for u in self.updates:
-            self.strategy.fold(rnd, u)
+        for u, norm in zip(self.updates, self.norms, strict=True):
+            self.strategy.fold(rnd, u, norm)
         self.spilled = rnd.rows.spilled if rnd.rows is not None else 0
         t2 = time.perf_counter()
         new = self.strategy.finish(rnd)
@@ -300,7 +301,22 @@ def folding_memory(ns: tuple[int, ...], d: int, algos: list[str], spill_dir: Pat
 
 # ------------------------------------------------------------------------------------------------ report
 # Causes of the figures, read off the cProfile kept in aggregation.json under "profiles" and the code.
-CAUSES: dict[str, tuple[str, str]] = {}
+CAUSES: dict[str, tuple[str, str]] = {
+    "taco": (
+        "eq. 7 needs the mean of all of a round's uploads before the cosine of any one of them, so each upload is read "
+        "from memory twice: on arrival (added to the running sum) and in finish (its dot with the mean, then its "
+        "alpha-weighted add while it is still in cache). Two reads are 2x the one-read floor before anything else; "
+        "the add from cache and the round's model-sized operations (mean, new model) come on top.",
+        "none that keeps eq. 7 exact: a second read of every upload is the least its formula allows "
+        '(`alpha_reference = "previous_global"` takes the dots on arrival and reads each upload once in finish).',
+    ),
+    "drag": (
+        "at N = 10 the floor (10 updates) is about as long as the round's fixed model-sized operations (a zero "
+        "running sum, the aggregate's scaling, the new model and reference); each update costs one read from memory "
+        "(its dot with the reference) and one scaled add from cache.",
+        "none needed at N >= 100, where the fixed part is amortised.",
+    ),
+}
 
 
 def render(data: dict[str, Any]) -> str:

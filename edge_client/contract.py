@@ -295,18 +295,39 @@ class Contract:
         return problems
 
 
+def vector_norm(arr: np.ndarray) -> float:
+    """``|arr|`` of a float32 vector in one read and no copy, the very value numpy's float32 ``norm`` gives (so the
+    server's strategies can use the norm admission measured); non-finite when ``arr`` holds NaN or inf.
+
+    A finite vector whose float32 sum of squares overflows (a norm above about 1.8e19, far beyond any bound) is
+    measured again in float64, so its norm is reported as a number, not as non-finite values.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is handled below, NaN is the answer
+        norm = float(np.sqrt(np.dot(arr, arr)))
+    if math.isinf(norm) and np.isfinite(arr).all():
+        return float(np.linalg.norm(arr.astype(np.float64)))
+    return norm
+
+
+def checked_norm(label: str, arr: np.ndarray, size: int, max_norm: float) -> tuple[float, list[tuple[str, str]]]:
+    """The norm of one received vector (NaN when it is not a float32 vector of ``size``) and its problems: dtype,
+    shape, finiteness and norm, as ``(reason, text)`` pairs (empty: acceptable)."""
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
+        got = getattr(arr, "dtype", type(arr).__name__)
+        return math.nan, [("invalid_field", f"{label}: expected float32, got {got}")]
+    if arr.shape != (size,):
+        return math.nan, [("shape", f"{label}: expected shape ({size},), got {arr.shape}")]
+    norm = vector_norm(arr)
+    if not math.isfinite(norm):
+        return norm, [("non_finite", f"{label}: holds non-finite values")]
+    if norm > max_norm:
+        return norm, [("norm", f"{label}: L2 norm {norm:.4g} exceeds its bound {max_norm:g}")]
+    return norm, []
+
+
 def array_problems(label: str, arr: np.ndarray, size: int, max_norm: float) -> list[tuple[str, str]]:
     """dtype, shape, finiteness and norm of one received vector, as ``(reason, text)`` pairs (empty: acceptable)."""
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32:
-        return [("invalid_field", f"{label}: expected float32, got {getattr(arr, 'dtype', type(arr).__name__)}")]
-    if arr.shape != (size,):
-        return [("shape", f"{label}: expected shape ({size},), got {arr.shape}")]
-    norm = float(np.linalg.norm(arr.astype(np.float64)))
-    if not math.isfinite(norm):
-        return [("non_finite", f"{label}: holds non-finite values")]
-    if norm > max_norm:
-        return [("norm", f"{label}: L2 norm {norm:.4g} exceeds its bound {max_norm:g}")]
-    return []
+    return checked_norm(label, arr, size, max_norm)[1]
 
 
 def settings_rows(contracts: Iterable[Contract]) -> list[tuple[str, str, str, str, str, str]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_client.codecs import FP32, CodecSpec
-from edge_client.contract import Contract, array_problems
+from edge_client.contract import Contract, checked_norm
 from edge_client.protocol import (
     DuplicateMessage,
     InvalidField,
@@ -91,8 +91,11 @@ class Admission:
         self.num_params = num_params
         self.max_update_norm = max_update_norm
 
-    def check(self, sender: str, update: Update, state: RoundState | None, registered: int | None, run_id: str) -> None:
-        """Raise the ProtocolError that rejects ``update``, or return when it may reach the strategy."""
+    def check(
+        self, sender: str, update: Update, state: RoundState | None, registered: int | None, run_id: str
+    ) -> float:
+        """Raise the ProtocolError that rejects ``update``, or return the norm of its ``delta`` when it may reach the
+        strategy (measured here anyway, so the strategies that need it do not read the delta once more)."""
         if update.client_id != sender:
             raise InvalidField(f"update on the topic of {sender!r} claims client id {update.client_id!r}")
         if update.run_id != run_id:
@@ -114,7 +117,7 @@ class Admission:
             raise WrongSteps(f"{sender} claims {update.local_steps} local steps; it was told {assigned}")
         if update.num_samples != registered:
             raise WrongSampleCount(f"{sender} claims {update.num_samples} samples; it registered with {registered}")
-        problems = array_problems(f"{sender}: delta", update.delta, self.num_params, self.max_update_norm)
+        norm, problems = checked_norm(f"{sender}: delta", update.delta, self.num_params, self.max_update_norm)
         if problems and problems[0][0] == "norm":
             problems = [("norm", problems[0][1] + " (train.max_update_norm)")]
         problems += self.contract.check_returned(self.params, update.extras, update.arrays, self.num_params)
@@ -122,6 +125,7 @@ class Admission:
         if problems:
             reason, text = problems[0]
             raise _BY_REASON[reason](f"{sender}: {text}")
+        return norm
 
     def codec_problems(self, sender: str, update: Update, told: CodecSpec) -> list[tuple[str, str]]:
         """Arrays that arrived compressed otherwise than ``told`` and their declared rule make them."""

@@ -331,7 +331,7 @@ class Orchestrator:
     def _accept(self, topic: str, sender: str, update: Update) -> None:
         state = self.current
         try:
-            self.admission.check(sender, update, state, self.client_samples.get(sender), self.run_id)
+            norm = self.admission.check(sender, update, state, self.client_samples.get(sender), self.run_id)
         except ProtocolError as exc:
             owed = state is not None and update.round == state.round and sender in state.selected
             if owed and sender not in state.received:  # its one update of the round is refused: do not wait for it
@@ -339,7 +339,7 @@ class Orchestrator:
             raise
         assert state is not None and self.folding is not None  # admission refuses updates outside a round
         self.times.arrived(sender)
-        state.received[sender] = self.strategy.fold(self.folding, update)  # folded now; its vectors are not kept
+        state.received[sender] = self.strategy.fold(self.folding, update, norm)  # folded now; its vectors are not kept
         state.bytes_up[sender] = self.link.take_bytes_in(topic)
         self.codecs.observe(sender, update.metrics)
         log.info(

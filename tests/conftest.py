@@ -364,13 +364,13 @@ def admit(
     registered: int | None = None,
     assigned_steps: int | None = None,
     codec: str = "fp32",
-) -> None:
+) -> float:
     """Judge ``update`` as the orchestrator's admission does in the round it names (its client selected, told
     ``assigned_steps`` and ``codec``, registered with ``registered`` samples; both default to what the update claims);
-    raises the ProtocolError that rejects it."""
+    raises the ProtocolError that rejects it, or returns the norm of its delta that the orchestrator hands on."""
     cid = update.client_id
     steps = update.local_steps if assigned_steps is None else assigned_steps
     state = RoundState(update.round, update.model_version, {cid}, assigned_steps={cid: steps})
     state.codecs[cid] = parse_codec(codec)
     gate = Admission(strategy.contract, strategy.params, strategy.ctx.num_params, TrainSection.max_update_norm)
-    gate.check(cid, update, state, update.num_samples if registered is None else registered, update.run_id)
+    return gate.check(cid, update, state, update.num_samples if registered is None else registered, update.run_id)

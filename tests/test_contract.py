@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms import CLIENT_ALGORITHMS, CONTRACTS, client_algorithm
-from edge_client.contract import ContractError, Setting, settings_markdown
+from edge_client.contract import ContractError, Setting, checked_norm, settings_markdown, vector_norm
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment
 from edge_client.trainer import plan_for
@@ -128,3 +128,17 @@ def test_server_sends_exactly_what_the_contract_declares(algorithm: str) -> None
     plan = plan_for(a, client_algorithm(algorithm), size)
     assert set(plan.settings) >= {s.name for s in CONTRACTS[algorithm].all_settings if s.device}
     assert all(math.isfinite(float(v)) for v in plan.settings.values() if isinstance(v, int | float))
+
+
+def test_vector_norm_is_numpys_float32_norm_in_one_read_and_tells_overflow_from_non_finite() -> None:
+    rng = np.random.default_rng(0)
+    for size in (1, 1000, 100_003):
+        v = rng.normal(size=size).astype(np.float32)
+        assert vector_norm(v) == float(np.linalg.norm(v))  # bit for bit: the strategies reuse admission's norm
+    huge = np.full(4, 3e38, np.float32)  # finite, but its float32 sum of squares overflows
+    assert vector_norm(huge) == pytest.approx(6e38, rel=1e-6)
+    assert checked_norm("delta", huge, 4, 1e4)[1][0][0] == "norm"
+    for bad in (np.array([1.0, np.nan], np.float32), np.array([np.inf, -np.inf], np.float32)):
+        assert not math.isfinite(vector_norm(bad))
+        assert checked_norm("delta", bad, 2, 1e4)[1][0][0] == "non_finite"
+    assert checked_norm("delta", rng.normal(size=3).astype(np.float32), 4, 1e4)[1][0][0] == "shape"

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Hooks, make_config, make_update
+from conftest import Hooks, admit, make_config, make_update
 
+from edge_client.contract import vector_norm
 from edge_client.data import ArrayDataset
 from edge_client.models import build_model, num_params
 from edge_client.protocol import Update
@@ -179,6 +180,68 @@ def test_store_spills_beyond_its_ram_bound_and_gives_the_same_numbers(tmp_path: 
         spilling.append(f"c{i}", row)
     assert spilling.spilled == 4 and len(spilling._spill.slots) == slots
     np.testing.assert_array_equal(in_ram.weighted_sum(coefs), spilling.weighted_sum(coefs))
+
+
+def test_scores_fold_each_row_beside_its_dot_as_two_passes_would(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    rows = [rng.normal(size=1000).astype(np.float32) for _ in range(6)]
+    v = rng.normal(size=1000).astype(np.float32)
+    seen: list[tuple[int, float]] = []
+
+    def rule(i: int, dot: float) -> float:  # a score of 0 for row 2: never added
+        seen.append((i, dot))
+        return 0.0 if i == 2 else dot / 100.0
+
+    for ram_bytes in (1 << 30, 2 * 4000):  # in RAM, and mostly spilled
+        store = UpdateStore(1000, tmp_path, ram_bytes)
+        for i, row in enumerate(rows):
+            store.append(f"c{i}", row)
+        seen.clear()
+        scores, total = store.scores(v, rule, fold=True)
+        assert sorted(i for i, _ in seen) == list(range(6))  # each row's dot once
+        want_scores = [0.0 if i == 2 else d / 100.0 for i, d in enumerate(store.dots(v))]
+        np.testing.assert_allclose(scores, want_scores, rtol=1e-6)
+        assert total is not None
+        np.testing.assert_allclose(total, store.weighted_sum(want_scores), rtol=1e-5, atol=1e-6)
+        assert store.scores(v, rule)[1] is None  # scores alone: no sum
+
+
+def test_dots_with_a_reference_known_in_advance_are_taken_on_arrival(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    rows = [rng.normal(size=500).astype(np.float32) for _ in range(4)]
+    ref = rng.normal(size=500).astype(np.float32)
+    store = UpdateStore(500, tmp_path)
+    store.clear(ref)
+    for i, row in enumerate(rows):
+        store.append(f"c{i}", row, norm=float(i))  # the norm admission measured is kept as given
+    assert store.norms == [0.0, 1.0, 2.0, 3.0]
+    np.testing.assert_allclose(store.reference_dots, [float(np.dot(r, ref)) for r in rows], rtol=1e-6)
+    store.rows = [np.full(500, np.nan, np.float32)] * 4  # read nothing more: the dots come from arrival
+    scores, _ = store.scores(ref, lambda i, dot: dot)
+    np.testing.assert_allclose(scores, store.reference_dots)
+    store.clear()
+    assert store.reference is None and store.reference_dots == []
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_norm_admission_measured_is_the_norm_every_strategy_would_take(name: str, tmp_path: Path) -> None:
+    given, measured = strategy(name, tmp_path), strategy(name, tmp_path)
+    w = np.random.default_rng(6).normal(size=D).astype(np.float32)
+    for r in (1, 2):
+        chosen = sorted(CLIENTS)[:5]
+        for s in (given, measured):
+            for cid in chosen:
+                s.assign(r, cid)
+        ups = updates(given, r, chosen, seed=10 + r)
+        a, b = given.begin(r, w), measured.begin(r, w)
+        for u in ups:
+            norm = admit(given, u)
+            assert norm == vector_norm(u.delta)
+            given.fold(a, u, norm)
+            measured.fold(b, u)
+        new = given.finish(a)
+        np.testing.assert_array_equal(new, measured.finish(b))
+        w = new
 
 
 @pytest.mark.parametrize("name", sorted(STORED))

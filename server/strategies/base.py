@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_client.contract import Contract
+from edge_client.contract import Contract, vector_norm
 from edge_client.data import ArrayDataset
 from edge_client.protocol import Assignment, Update
 from edge_client.tasks import TASKS, Task
@@ -78,6 +78,12 @@ class Round:
     sums: dict[str, RunningMean] = field(default_factory=dict)
     rows: UpdateStore | None = None
     error: Exception | None = None  # what went wrong while folding: finish() raises it, which drops the round
+    norms: dict[str, float] = field(default_factory=dict)  # client -> |delta| as admission measured it
+
+    def delta_norm(self, update: Update) -> float:
+        """``|update.delta|``: the norm admission measured, or measured now (an update folded without admission)."""
+        norm = self.norms.get(update.client_id)
+        return vector_norm(update.delta) if norm is None else norm
 
     def add(self, name: str, vector: np.ndarray, weight: float = 1.0, scale: float = 1.0) -> None:
         """Fold ``vector`` into the running sum ``name`` (see ``RunningMean.add``)."""
@@ -149,11 +155,14 @@ class Strategy(ABC):
         """Open ``round_``'s aggregation from the global model ``weights`` (called once its assignments are out)."""
         return Round(round_, weights)
 
-    def fold(self, rnd: Round, update: Update) -> Update:
+    def fold(self, rnd: Round, update: Update, norm: float | None = None) -> Update:
         """Fold one admitted update into ``rnd`` now; returns it without its vectors, all that needs keeping of it.
+        ``norm`` is the norm of its delta that admission measured (``Round.delta_norm``).
 
         An error is logged and kept for ``finish`` to raise: it drops the round, never the run.
         """
+        if norm is not None:
+            rnd.norms[update.client_id] = norm
         if rnd.error is None:
             try:
                 self.add(rnd, update)
@@ -192,11 +201,12 @@ class Strategy(ABC):
             self.fold(rnd, update)
         return self.finish(rnd)
 
-    def update_store(self, size: int) -> UpdateStore:
-        """This strategy's store, emptied for a new round (one store, reused: its spill file's pages stay mapped)."""
+    def update_store(self, size: int, reference: np.ndarray | None = None) -> UpdateStore:
+        """This strategy's store, emptied for a new round (one store, reused: its spill file's pages stay mapped),
+        dotting each row with ``reference`` on arrival when one is given (``UpdateStore.scores``)."""
         if self._store is None or self._store.size != size:
             self._store = UpdateStore(size, self.ctx.run_dir, self.ctx.store_ram_bytes)
-        self._store.clear()
+        self._store.clear(reference)
         return self._store
 
     def excluded(self) -> set[str]:

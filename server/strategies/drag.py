@@ -15,10 +15,10 @@ Degenerate norms ((f)5, C5): ``|g_m| = 0`` gives ``v_m = 0`` (the formula itself
 
 Streaming with the previous round's reference: ``lambda_m`` needs only ``g_m`` and ``r``, so on arrival each update is
 folded as ``sum_m (1 - lambda_m) g_m`` (one vector) and the scalar ``sum_m lambda_m |g_m| / |r|``; ``finish`` forms
-``Delta = (that sum + that scalar r) / S``. Per update: its norm and its dot with ``r`` (one read from memory, the
-rest from cache) and one scaled add. The first aggregation has no reference yet (eq. 6, t = 0: the mean of the
-round's own uploads), so its uploads are kept in the strategy's ``UpdateStore`` and folded the same way in
-``finish``, once their mean is known.
+``Delta = (that sum + that scalar r) / S``. Per update: its dot with ``r`` (one read from memory) and one scaled add
+(from cache); its norm is the one admission measured. The first aggregation has no reference yet (eq. 6, t = 0: the
+mean of the round's own uploads), so its uploads are kept in the strategy's ``UpdateStore`` and folded the same way
+in ``finish``, once their mean is known.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class DragRound(Round):
         """``Delta^t`` of eq. 8 over the folded updates (increment convention)."""
         assert self.r is not None
         agg = axpy(self.g_sum, self.r, self.r_coef)  # in place: the round is over
-        return agg / np.float32(len(self.reports))
+        agg *= np.float32(1.0 / len(self.reports))
+        return agg
 
 
 class Drag(Strategy):
@@ -94,9 +95,9 @@ class Drag(Strategy):
     def add(self, rnd: Round, update: Update) -> None:
         assert isinstance(rnd, DragRound)
         if rnd.r is None:
-            rnd.store().append(update.client_id, update.delta, held_bytes(update))
+            rnd.store().append(update.client_id, update.delta, held_bytes(update), rnd.delta_norm(update))
         else:
-            self._drag(rnd, update.client_id, update.delta, float(np.linalg.norm(update.delta)))
+            self._drag(rnd, update.client_id, update.delta, rnd.delta_norm(update))
 
     def _drag(self, rnd: DragRound, client_id: str, delta: np.ndarray, delta_norm: float) -> None:
         """Fold ``v_m`` of eq. 11 for ``g_m = -delta`` against ``rnd.r``."""
@@ -123,8 +124,8 @@ class Drag(Strategy):
         agg = rnd.delta()
         self._lambdas = rnd.lambdas
         alpha = self.params["alpha"]
-        self.r = (r * np.float32(1.0 - alpha) + agg * np.float32(alpha)).astype(np.float32)  # eq. 6 for t + 1
-        return (rnd.weights + agg).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
+        self.r = agg if alpha == 1.0 else axpy(r * np.float32(1.0 - alpha), agg, alpha)  # eq. 6 for t + 1
+        return (rnd.weights + agg).astype(np.float32, copy=False)  # theta^{t+1} = theta^t + Delta^t ((f)1)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"lambda": dict(self._lambdas)}

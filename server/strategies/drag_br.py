@@ -99,7 +99,7 @@ class DragBR(Strategy):
 
     def add(self, rnd: Round, update: Update) -> None:
         assert isinstance(rnd, DragRound) and rnd.r is not None
-        g_norm = float(np.linalg.norm(update.delta))
+        g_norm = rnd.delta_norm(update)
         cos = increment_cosine(update.delta, g_norm, rnd.r, rnd.r_norm)
         lam = degree_of_divergence(cos, self.params["c"], self.params["angle_approx"])  # eq. 10 against the root
         rnd.lambdas[update.client_id] = lam
@@ -111,7 +111,7 @@ class DragBR(Strategy):
         assert isinstance(rnd, DragRound)
         self._r_norm = rnd.r_norm
         self._lambdas = rnd.lambdas
-        return (rnd.weights + rnd.delta()).astype(np.float32)  # theta^{t+1} = theta^t + Delta^t ((f)1)
+        return (rnd.weights + rnd.delta()).astype(np.float32, copy=False)  # theta^{t+1} = theta^t + Delta^t ((f)1)
 
     def round_metrics(self) -> dict[str, Any]:
         return {"lambda": dict(self._lambdas), "r_norm": self._r_norm}

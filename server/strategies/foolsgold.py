@@ -16,12 +16,14 @@ participation. This is not the original FoolsGold (Fung et al.), which keeps per
 
 Not streamed: with the default reference every weight needs the mean of all of the round's updates, so they are kept
 in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in the run directory), their norms
-and running sum taken on arrival; ``finish`` reads each one twice more (its dot with the reference, then the
-rho-weighted sum), twice more per extra fixed-point iteration.
+from admission and their running sum taken on arrival; ``finish`` reads each one once more (its dot with the reference
+gives its rho, and its rho-weighted add follows while it is in cache), once more per extra fixed-point iteration.
+With ``prev_global`` the reference is known before the round and the dots are taken on arrival.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,8 +31,8 @@ import numpy as np
 from edge_client.algorithms.foolsgold import CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Round, Strategy, TrainSettings
-from server.strategies.common import EPS, normalise
-from server.strategies.store import UpdateStore, held_bytes
+from server.strategies.common import EPS
+from server.strategies.store import held_bytes
 
 
 class FoolsGold(Strategy):
@@ -43,36 +45,36 @@ class FoolsGold(Strategy):
         self.prev_global: np.ndarray | None = None  # w_{t-1} - w_t, only with reference = "prev_global"
         self._last: dict[str, Any] = {}
 
-    def similarity_weights(self, rows: UpdateStore, reference: np.ndarray | None) -> np.ndarray:
-        """``rho_i`` against ``reference`` (clipped at 0 unless ``clip_negative`` is false); None means uniform."""
-        if reference is None:
-            return np.ones(len(rows))
-        norms, ref_norm = np.array(rows.norms), float(np.linalg.norm(reference))
-        rho = np.zeros(len(rows))
-        if ref_norm >= EPS:
-            ok = norms >= EPS
-            rho[ok] = rows.dots(reference)[ok] / (norms[ok] * ref_norm)
-        return np.maximum(rho, 0.0) if self.params["clip_negative"] else rho
+    def similarity_rule(self, norms: Sequence[float], reference: np.ndarray) -> Callable[[int, float], float]:
+        """``rho_i`` of update i from its dot with ``reference`` (clipped at 0 unless ``clip_negative`` is false)."""
+        ref_norm, clip = float(np.linalg.norm(reference)), self.params["clip_negative"]
+
+        def rho(i: int, dot: float) -> float:
+            cos = dot / (norms[i] * ref_norm) if norms[i] >= EPS and ref_norm >= EPS else 0.0
+            return max(cos, 0.0) if clip else cos
+
+        return rho
 
     def begin(self, round_: int, weights: np.ndarray) -> Round:
         rnd = super().begin(round_, weights)
-        rnd.rows = self.update_store(weights.size)
+        previous = self.params["reference"] == "prev_global"
+        rnd.rows = self.update_store(weights.size, self.prev_global if previous else None)
         return rnd
 
     def add(self, rnd: Round, update: Update) -> None:
-        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+        rnd.store().append(update.client_id, update.delta, held_bytes(update), rnd.delta_norm(update))
 
     def close(self, rnd: Round) -> np.ndarray:
         rows, weights = rnd.store(), rnd.weights
         n = len(rows)
         reference = self.prev_global if self.params["reference"] == "prev_global" else rows.mean()
-        for it in range(self.params["fixed_point_iters"]):
-            rho = self.similarity_weights(rows, reference)
-            p = normalise(rho)  # uniform when sum(rho) <= EPS
-            if it + 1 < self.params["fixed_point_iters"]:
-                reference = rows.weighted_sum(p)
-        uniform = bool(rho.sum() <= EPS) or reference is None
-        step = rows.mean() if uniform else rows.weighted_sum(p)  # the uniform mean is the running sum: no pass
+        rho, weighted = np.ones(n), None  # no reference (prev_global's first round): uniform
+        for it in range(self.params["fixed_point_iters"] if reference is not None else 0):
+            if it:  # the next iteration's reference: the rho-weighted aggregate of this one (uniform if sum <= EPS)
+                reference = weighted / np.float32(rho.sum()) if rho.sum() > EPS else rows.mean()
+            rho, weighted = rows.scores(reference, self.similarity_rule(rows.norms, reference), fold=True)
+        uniform = bool(rho.sum() <= EPS) or weighted is None
+        step = rows.mean() if uniform else weighted / np.float32(rho.sum())  # the uniform mean: the running sum
         if self.params["extra_1_over_N"]:
             step *= np.float32(1.0 / n)
         new = weights - step

@@ -6,20 +6,23 @@ bound; the rows beyond it are copied into a memory-mapped file in the run direct
 is left behind, even after a crash) whose pages the kernel may write out and drop under memory pressure. The file and
 its mapping are reused round after round, so a steady state maps no new pages.
 
-Passes are fused so that each row is read from memory as few times as the math allows: when a row arrives its norm and
-the running sum of the rows are taken while it is in cache; at the end ``dots`` reads every row once (forwards) and
-``weighted_sum`` once more (backwards, so the rows read last are still in cache), skipping rows whose coefficient is 0.
+Passes are fused so that each row is read from memory as few times as the math allows: its norm comes from admission,
+which measured it anyway (``Round.delta_norm``); on arrival the row is added to the running sum of the rows and, when
+the round's reference vector is known in advance (``reference``), its dot with it is taken while it is in cache; at
+the end ``scores`` visits every row once, its dot with a vector known only then and, right after, while the row is
+still in cache, its scaled add into the weighted sum (a row whose score is 0 is not added).
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
 import numpy as np
 
+from edge_client.contract import vector_norm
 from edge_client.protocol import Update
 from server.strategies.common import axpy
 from server.strategies.running import RunningMean
@@ -64,8 +67,11 @@ class UpdateStore:
         self._spill: _SpillFile | None = None
         self.clear()
 
-    def clear(self) -> None:
-        """Forget the round's rows (the references are released at once; the spill file is kept for reuse)."""
+    def clear(self, reference: np.ndarray | None = None) -> None:
+        """Forget the round's rows (the references are released at once; the spill file is kept for reuse); the next
+        round's rows are dotted with ``reference`` as they arrive, when it is known before they are."""
+        self.reference = reference
+        self.reference_dots: list[float] = []
         self.keys: list[str] = []
         self.norms: list[float] = []
         self.rows: list[np.ndarray] = []
@@ -76,8 +82,9 @@ class UpdateStore:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def append(self, key: str, vector: np.ndarray, keeps_alive: int | None = None) -> None:
-        """Keep ``vector`` (``keeps_alive`` bytes in RAM, default its own size) and fold its norm and running sum."""
+    def append(self, key: str, vector: np.ndarray, keeps_alive: int | None = None, norm: float | None = None) -> None:
+        """Keep ``vector`` (``keeps_alive`` bytes in RAM, default its own size) with its ``norm`` (measured when not
+        given), and fold it into the running sum and, with a ``reference``, its dot with it."""
         need = vector.nbytes if keeps_alive is None else keeps_alive
         if self.held + need <= self.ram_bytes:
             row = np.asarray(vector, dtype=np.float32).view()
@@ -90,7 +97,9 @@ class UpdateStore:
             np.copyto(row, vector)
             self.spilled += 1
         self.keys.append(key)
-        self.norms.append(float(np.linalg.norm(row)))
+        self.norms.append(vector_norm(row) if norm is None else norm)
+        if self.reference is not None:
+            self.reference_dots.append(float(np.dot(row, self.reference)))
         self.sum.add(row)
         self.rows.append(row)
 
@@ -104,6 +113,25 @@ class UpdateStore:
     def dots(self, vector: np.ndarray) -> np.ndarray:
         """``row_i . vector`` for every row (float64), one read of each row."""
         return np.array([float(np.dot(row, vector)) for row in self.rows])
+
+    def scores(
+        self, vector: np.ndarray, rule: Callable[[int, float], float], fold: bool = False
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``s_i = rule(i, row_i . vector)`` for every row (float64) and, with ``fold``, ``sum_i s_i row_i`` (float32).
+
+        One visit per row, the last to arrive first: its scaled add reads it from cache right after its dot. When
+        ``vector`` is this round's ``reference`` the dots were taken on arrival: only the rows with a nonzero score are
+        read, once, to add them.
+        """
+        dots = self.reference_dots if vector is self.reference else None
+        acc = np.zeros(self.size, dtype=np.float32) if fold else None
+        out = np.zeros(len(self.rows))
+        for i in reversed(range(len(self.rows))):  # the last rows to arrive may still be in cache
+            row = self.rows[i]
+            out[i] = s = rule(i, float(np.dot(row, vector)) if dots is None else dots[i])
+            if acc is not None and s != 0.0:
+                acc = axpy(acc, row, s)
+        return out, acc
 
     def weighted_sum(self, coefs: Sequence[float]) -> np.ndarray:
         """``sum_i coefs_i row_i`` in float32, one read of each row with a nonzero coefficient (last rows first)."""

@@ -9,15 +9,19 @@ told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient
 Not streamed: eq. 7 weights each upload by its share of all the round's upload norms and by its cosine to the mean
 of all of them (or to the last global update, ``alpha_reference = "previous_global"``), known only when the last one
 is in. Uploads are kept in the strategy's ``UpdateStore`` (RAM up to its bound, then a memory-mapped file in
-the run directory); on arrival each one's norm and the running sum are taken while it is in cache, and ``finish``
-reads each upload twice more: its dot with the mean, then the alpha-weighted sum (skipped for an alpha of 0, and not
-needed at all when every alpha is 0: the uniform mean is the running sum).
+the run directory). Each upload's norm comes from admission and it is added to the running sum on arrival; ``finish``
+then reads each upload once more: its dot with the mean gives its alpha, and its alpha-weighted add into eq. 9's sum
+follows while it is still in cache (divided by the sum of the alphas at the end; the uniform mean is the running sum
+when every alpha is 0). With ``"previous_global"`` the reference is known before the round, so the dots are taken on
+arrival too and ``finish`` reads only the uploads whose alpha is not 0. Only ``drop_on_expel_round``, whose weights
+depend on the round's expulsions, takes the dots and the weighted sum in two reads.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,24 +50,35 @@ def taco_alphas(deltas: list[np.ndarray], reference: str = "mean", previous: np.
     rows = UpdateStore(deltas[0].size)
     for i, d in enumerate(deltas):
         rows.append(str(i), d)
-    return store_alphas(rows, reference, previous)
+    return store_alphas(rows, reference, previous)[0]
 
 
-def store_alphas(rows: UpdateStore, reference: str = "mean", previous: np.ndarray | None = None) -> np.ndarray:
-    """Eq. 7 (see ``taco_alphas``) over the rows of a store: norms and mean from arrival, one read of each row."""
-    norms = np.array(rows.norms)
-    total = float(norms.sum())
+def alpha_rule(norms: Sequence[float], ref_norm: float) -> Callable[[int, float], float]:
+    """Eq. 7 for upload i from its dot with the reference (see ``taco_alphas``), for ``UpdateStore.scores``."""
+    total = float(np.sum(norms))
+
+    def alpha(i: int, dot: float) -> float:
+        norm = norms[i]
+        if total <= EPS or ref_norm < EPS or norm < EPS:
+            return 0.0
+        return (1.0 - norm / total) * max(dot / (norm * ref_norm), 0.0)
+
+    return alpha
+
+
+def store_alphas(
+    rows: UpdateStore, reference: str = "mean", previous: np.ndarray | None = None, fold: bool = False
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Eq. 7 (see ``taco_alphas``) over the rows of a store and, with ``fold``, ``sum_i alpha_i D_i`` in the same
+    visit of each row (None when every alpha is 0 without a visit: no reference, or no norm).
+
+    Norms and mean come from arrival; the previous global update is the store's ``reference`` when the strategy
+    opened the round with it (its dots were taken on arrival too)."""
     ref = rows.mean() if reference == "mean" else previous
-    if total <= EPS or ref is None:
-        return np.zeros(len(norms))
-    ref_norm = float(np.linalg.norm(ref))
-    if ref_norm < EPS:
-        return np.zeros(len(norms))
-    dots = rows.dots(ref)
-    cos = np.zeros(len(norms))
-    ok = norms >= EPS
-    cos[ok] = dots[ok] / (norms[ok] * ref_norm)
-    return (1.0 - norms / total) * np.maximum(cos, 0.0)
+    ref_norm = 0.0 if ref is None else float(np.linalg.norm(ref))
+    if ref is None or ref_norm < EPS or float(np.sum(rows.norms)) <= EPS:
+        return np.zeros(len(rows)), None
+    return rows.scores(ref, alpha_rule(rows.norms, ref_norm), fold)
 
 
 class Taco(Strategy):
@@ -199,7 +214,8 @@ class Taco(Strategy):
 
     def begin(self, round_: int, weights: np.ndarray) -> Round:
         rnd = super().begin(round_, weights)
-        rnd.rows = self.update_store(weights.size)
+        previous = self.params["alpha_reference"] == "previous_global"
+        rnd.rows = self.update_store(weights.size, self.last_step if previous else None)
         return rnd
 
     def add(self, rnd: Round, update: Update) -> None:
@@ -208,13 +224,16 @@ class Taco(Strategy):
                 "%s: round %d: ignoring the update of expelled client %s", self.name, rnd.number, update.client_id
             )
             return
-        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+        rnd.store().append(update.client_id, update.delta, held_bytes(update), rnd.delta_norm(update))
 
     def close(self, rnd: Round) -> np.ndarray:
         rows = rnd.store()
         if not len(rows):  # every update came from an expelled client
             return rnd.weights
-        alphas = store_alphas(rows, self.params["alpha_reference"], self.last_step)
+        tailored = self.params["tailored_aggregation"]
+        # every update of the round counts unless expulsions drop some: eq. 9's sum is then taken beside the alphas
+        fold = tailored and not self.params["drop_on_expel_round"]
+        alphas, alpha_sum = store_alphas(rows, self.params["alpha_reference"], self.last_step, fold)
         candidates = []
         for cid, a in zip(rows.keys, alphas, strict=True):
             self.alpha[cid] = float(a)
@@ -224,10 +243,12 @@ class Taco(Strategy):
         chosen = np.array([cid not in expelled_now for cid in rows.keys])
         if not (self.params["drop_on_expel_round"] and chosen.any()):
             chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
-        tailored = self.params["tailored_aggregation"]
         coefs = alphas if tailored else np.ones(len(rows))
         if chosen.all() and (not tailored or alphas.sum() <= EPS):
             step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
+        elif alpha_sum is not None:  # every update counts (fold): eq. 9 from the sum taken beside the alphas
+            step = alpha_sum
+            step /= np.float32(alphas.sum())
         else:
             p = np.zeros(len(rows))
             p[chosen] = normalise(coefs[chosen])  # eq. 9 (uniform if every alpha is 0)
@@ -285,8 +306,9 @@ class TailoredCoefficients:
     reference is the host's last global update ``w_{t-1} - w_t``.
 
     Streaming as far as the math allows: the aggregation (FedProx's or SCAFFOLD's) is folded on arrival as theirs is;
-    the alphas need every upload's cosine to the reference, so the deltas are also kept in the store (norms and mean
-    on arrival, one more read of each in ``finish``).
+    the alphas need every upload's cosine to the mean, so the deltas are also kept in the store (norms from
+    admission, the mean on arrival, one more read of each in ``finish``); with ``"previous_global"`` the reference is
+    known in advance and the dots are taken on arrival.
     """
 
     params: dict[str, Any]
@@ -306,16 +328,17 @@ class TailoredCoefficients:
 
     def begin(self, round_: int, weights: np.ndarray) -> Round:
         rnd = super().begin(round_, weights)  # type: ignore[misc]
-        rnd.rows = self.update_store(weights.size)  # type: ignore[attr-defined]
+        previous = self.params["alpha_reference"] == "previous_global"
+        rnd.rows = self.update_store(weights.size, self.global_step if previous else None)  # type: ignore[attr-defined]
         return rnd
 
     def add(self, rnd: Round, update: Update) -> None:
         super().add(rnd, update)  # type: ignore[misc]
-        rnd.store().append(update.client_id, update.delta, held_bytes(update))
+        rnd.store().append(update.client_id, update.delta, held_bytes(update), rnd.delta_norm(update))
 
     def close(self, rnd: Round) -> np.ndarray:
         reference = self.params["alpha_reference"]
-        alphas = store_alphas(rnd.store(), reference, self.global_step)  # alpha_i^{t+1}, next round's coefficient
+        alphas = store_alphas(rnd.store(), reference, self.global_step)[0]  # alpha_i^{t+1}, next round's coefficient
         new = super().close(rnd)  # type: ignore[misc]
         self.taco_alpha.update({cid: float(a) for cid, a in zip(rnd.store().keys, alphas, strict=True)})
         if reference == "previous_global":
