@@ -11,15 +11,18 @@ thread, never on paho's network thread.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import IO, Protocol
 from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 PUBLISH_OVERHEAD = 64
 #: What a sender may have queued beyond its chunked-message budget: hellos, presence, failure reports, chunk headers.
 SMALL_QUEUE_BYTES = 4 << 20
+#: Bytes of queued frames an inbox with a spool holds in memory; the frames that arrive beyond them wait in the spool.
+MEMORY_QUEUE_BYTES = 32 << 20
 
 
 @dataclass
@@ -106,6 +111,47 @@ class QueueFull(ProtocolError):
     reason = "inbox_full"
 
 
+class Spool:
+    """Queued frames kept out of memory: appended to an unnamed file in ``directory`` (nothing is left behind, even
+    after a crash; the kernel writes its pages out and drops them when memory is short) and read back in turn. The
+    file is emptied whenever none of its frames waits, and never grows past ``max_bytes``."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._file: IO[bytes] | None = None
+        self._end = 0  # where the next frame goes
+        self._waiting = 0  # frames written and not read back yet
+
+    def put(self, payload: bytes) -> tuple[int, int] | None:
+        """Write ``payload``; its offset and size, or None when the file is full or cannot be written."""
+        if self._end + len(payload) > self.max_bytes:
+            return None
+        try:
+            if self._file is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._file = tempfile.TemporaryFile(prefix="edgefl-inbox-", dir=self.directory)  # noqa: SIM115
+            os.pwrite(self._file.fileno(), payload, self._end)
+        except OSError as exc:
+            log.warning("cannot spool a %d-byte frame to %s (%s); it waits in memory", len(payload), self.directory,
+                        exc)  # fmt: skip
+            return None
+        where = (self._end, len(payload))
+        self._end += len(payload)
+        self._waiting += 1
+        return where
+
+    def take(self, where: tuple[int, int]) -> bytes:
+        """Read back the frame ``put`` wrote at ``where`` (each is taken once)."""
+        assert self._file is not None
+        data = os.pread(self._file.fileno(), where[1], where[0])
+        self._waiting -= 1
+        if not self._waiting:
+            self._file.truncate(0)
+            self._end = 0
+        return data
+
+
 class Inbox:
     """The receiving half every link shares: raw frames in, reassembled and validated messages out, on the caller's
     thread; rejections are counted by reason and bytes by topic.
@@ -113,17 +159,22 @@ class Inbox:
     The queue between the network thread and the caller is bounded in bytes: in all (``max_queued_bytes``) and, once
     ``limit_senders`` gives a budget per topic, per sender (its budget plus a little for small messages), so one
     flooding sender can neither exhaust memory nor crowd out the others. What is dropped is counted as
-    ``inbox_full``.
+    ``inbox_full``. With ``spool_dir``, at most ``MEMORY_QUEUE_BYTES`` of the queue are held in memory and the rest
+    wait in a ``Spool`` there: what many devices upload at once, faster than the caller takes it, then costs the
+    process no memory per device.
     """
 
-    def __init__(self, max_message_bytes: int, max_queued_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_message_bytes: int, max_queued_bytes: int = 1 << 30, spool_dir: Path | None = None) -> None:
         self.rejections: Counter[str] = Counter()
         self.bytes_in = 0
         self.max_queued_bytes = max_queued_bytes
         self._bytes_by_topic: Counter[str] = Counter()
-        self._inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+        # a frame, or where it waits in the spool (offset, size)
+        self._inbox: queue.Queue[tuple[str, bytes | tuple[int, int]]] = queue.Queue()
         self._queued: Counter[str] = Counter()  # bytes waiting per topic
         self._queued_total = 0
+        self._in_memory = 0  # bytes of the queued frames held in memory
+        self._spool = Spool(spool_dir, max_queued_bytes) if spool_dir is not None else None
         self._queue_lock = threading.Lock()
         self._budget: Callable[[str], int] | None = None
         self._answer_repeat: Callable[[str, str], None] | None = None
@@ -154,7 +205,9 @@ class Inbox:
                 return
             self._queued[topic] = mine
             self._queued_total += n
-        self._inbox.put((topic, payload))
+            spooled = self._spool.put(payload) if self._spool and self._in_memory + n > MEMORY_QUEUE_BYTES else None
+            self._in_memory += 0 if spooled else n
+        self._inbox.put((topic, spooled or payload))
 
     def receive(self, timeout: float) -> tuple[str, Message] | None:
         """The next valid message and its topic, or None when ``timeout`` passes without one.
@@ -165,10 +218,16 @@ class Inbox:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                topic, payload = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+                topic, item = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
             except queue.Empty:
                 return None
             with self._queue_lock:
+                if isinstance(item, tuple):  # where it waits in the spool
+                    assert self._spool is not None
+                    payload = self._spool.take(item)
+                else:
+                    payload = item
+                    self._in_memory -= len(payload)
                 self._queued[topic] -= len(payload)
                 self._queued_total -= len(payload)
                 if not self._queued[topic]:
@@ -211,10 +270,12 @@ class MqttLink(Inbox):
         will: tuple[str, bytes, bool] | None = None,
         on_connect: Callable[[], None] | None = None,
         retained_once: Iterable[str] = (),
+        spool_dir: Path | None = None,
     ) -> None:
         """``retained_once``: subscriptions whose retained messages the broker sends only when the subscription is new
-        (MQTT 5 retain handling 1), so a reconnect with its session kept does not fetch them again."""
-        super().__init__(config.max_message_bytes)
+        (MQTT 5 retain handling 1), so a reconnect with its session kept does not fetch them again. ``spool_dir``: see
+        ``Inbox`` (the server's; a device receives little at once)."""
+        super().__init__(config.max_message_bytes, spool_dir=spool_dir)
         self.config = config
         self.subscriptions = list(subscriptions)
         self.retained_once = set(retained_once)

@@ -13,10 +13,12 @@ round; a client whose last will says it went offline, or that reports it cannot 
 for. Every update passes ``server.admission`` (the round's bookkeeping and the algorithm's contract) before it can
 reach the strategy; what is refused is logged with the client id and counted by reason, and the round goes on. A
 sender may hold at most the bytes of one legitimate update of this round in partial chunked messages and in the
-link's queue, so a flood from one device cannot crowd out another's upload. An admitted update is folded into the
-strategy's running sums at once and only its scalars are kept, so the server does not hold a round's updates. An
-aggregate that is still not finite drops the round (the model stays as it was, the strategy's state is restored): a
-run never ends because of what a client sent.
+link's queue, so a flood from one device cannot crowd out another's upload. Of what devices upload faster than the
+loop takes it, the link holds 32 MiB in memory and the rest waits in a file in the run directory
+(``edge_client.transport.Spool``), so the server's memory does not grow with the number of devices that upload at
+once. An admitted update is folded into the strategy's running sums at once and only its scalars are kept, so the
+server does not hold a round's updates. An aggregate that is still not finite drops the round (the model stays as it
+was, the strategy's state is restored): a run never ends because of what a client sent.
 
 The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
 (``clients.deadline_factor``, ``server.deadlines``); the steps each client is told may be fitted to a round budget
@@ -196,6 +198,7 @@ class Orchestrator:
             [self.topics.all_up],
             will=(self.topics.server, offline, True),
             on_connect=self._announce,
+            spool_dir=out_dir,  # the updates that arrive at once wait there, not in memory
         )
         self.link.limit_senders(self._sender_budget)
         self.distribution = Distribution(

@@ -336,6 +336,20 @@ def run_benchmark_quick(name: str, out: Path, timeout: float = 600) -> tuple[dic
 
 
 # ----------------------------------------------------------------------------------------- hand-made updates
+def spill_files(directory: Path) -> dict[str, int]:
+    """The files this process holds open, unnamed, in ``directory`` (on Linux an O_TMPFILE reads as ``#inode``), with
+    their sizes."""
+    prefix, found = f"{directory}/", {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith(prefix) and link.endswith(" (deleted)"):
+                found[link] = os.fstat(int(fd)).st_size
+        except FileNotFoundError:  # closed since the listing (the listing's own descriptor, for one)
+            continue
+    return found
+
+
 def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_steps: int = 5, **fields: Any) -> Update:
     """A valid round-1 update for feeding server halves by hand; ``fields`` override any other Update field."""
     base: dict[str, Any] = {"round": 1, "model_version": 0, "compute_s": 0.0, "cpu_s": 0.0, "train_loss": 0.0}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Hooks, admit, make_config, make_update
+from conftest import Hooks, admit, make_config, make_update, spill_files
 
 from edge_client.contract import vector_norm
 from edge_client.data import ArrayDataset
@@ -295,18 +295,6 @@ def test_a_non_finite_aggregate_drops_the_round(digits, tmp_path: Path) -> None:
         orch.strategy.fold(rnd, make_update(cid, np.full(d, 3e38)))
     new, dropped = orch._aggregate(1, w, rnd)
     assert dropped == "non_finite_aggregate" and new is w
-
-
-def spill_files(directory: Path) -> list[str]:
-    """The files this process holds open, unnamed, in ``directory`` (on Linux an O_TMPFILE reads as ``#inode``)."""
-    prefix, found = f"{directory}/", []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except FileNotFoundError:  # closed since the listing (the listing's own descriptor, for one)
-            continue
-        found += [link] if link.startswith(prefix) and link.endswith(" (deleted)") else []
-    return found
 
 
 def test_a_run_spills_to_its_run_directory_at_train_store_ram_mb_and_trains_the_same(digits, tmp_path: Path) -> None:

@@ -1,15 +1,26 @@
-"""The load benchmark (issues 7 and 16): its quick mode end to end at three sizes, and that its aggregate check
-catches a lost or doubled update (else "exact" would prove nothing)."""
+"""The load benchmark (issues 7 and 16): its quick mode end to end at three sizes, that its aggregate check catches
+a lost or doubled update (else "exact" would prove nothing), and that the server does not hold a burst of uploads in
+memory (what made its peak grow with the fleet)."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_mosquitto, run_benchmark_quick
+from conftest import make_update, require_mosquitto, run_benchmark_quick, spill_files
 
 from benchmarks import load
+from edge_client import chunking
+from edge_client.protocol import Update, encode
+from edge_client.topics import Topics
+from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
+from server.admission import RoundState
+from server.config import from_dict
+from server.evaluation import Evaluator
+from server.experiments.datasets import load_dataset
+from server.orchestrator import Orchestrator
 
 
 @pytest.mark.integration
@@ -62,3 +73,35 @@ def test_checker_detects_a_lost_or_doubled_update(tmp_path: Path, counted: list[
     }
     checker.round_done(row)
     assert checker.rounds[0]["aggregate_exact"] is exact
+
+
+def test_a_burst_of_uploads_waits_in_the_run_directory_not_in_the_servers_memory(tmp_path: Path) -> None:
+    """Issue 16: 200 devices' updates of 100k parameters (76 MiB in 128 KiB chunks) reach the server's link faster
+    than its round loop takes them. The link holds at most ``MEMORY_QUEUE_BYTES`` of them in memory (before the spool
+    it held all of them: 0.38 MiB per device), the rest wait in a file in the run directory, and every update comes
+    back intact and in order; the file is emptied once they are taken."""
+    digits = load_dataset("digits", seed=0)
+    config = from_dict({"run": {"out": str(tmp_path)}, "data": {"dataset": "digits"}})
+    spec = load.model_spec(100_000)  # the benchmark's model: digits-sized inputs
+    orch = Orchestrator(config, LinkConfig("mqtt://127.0.0.1:1"), Evaluator(spec, digits.test), spec, tmp_path)
+    link, topics, devices, size = orch.link, Topics(config.run.job), 200, orch.num_params  # link: not connected
+    orch.current = RoundState(1, 0, {f"d{i}" for i in range(devices)})  # each may send one update of the round
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(devices):  # as paho's network thread hands each frame over
+            update = make_update(f"d{i}", np.full(size, i, dtype=np.float32))
+            for frame in chunking.split(encode(update), 128 << 10):
+                link._offer(topics.up(f"d{i}"), bytes(frame))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= MEMORY_QUEUE_BYTES + (1 << 20), held  # the queue's bookkeeping is a few hundred bytes per frame
+    assert sum(spill_files(tmp_path).values()) >= devices * 4 * size - MEMORY_QUEUE_BYTES
+    for i in range(devices):
+        received = link.receive(timeout=0)
+        assert received is not None and received[0] == topics.up(f"d{i}")
+        assert isinstance(received[1], Update) and received[1].client_id == f"d{i}"
+        np.testing.assert_array_equal(received[1].delta, np.full(size, i, dtype=np.float32))
+    assert link.receive(timeout=0) is None and link.rejections == {}
+    assert list(spill_files(tmp_path).values()) == [0]
