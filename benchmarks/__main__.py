@@ -12,6 +12,8 @@ fragments' tables, then each benchmark's own ``<out>/<name>.md`` as written.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import shlex
 import subprocess
@@ -140,7 +142,7 @@ def assemble(outcomes: list[Outcome], out: Path, command: str, quick: bool) -> s
             notes.append(f"- {title}: not run (no `{fragment.name}` in `{out}`)")
             continue
         md = fragment.read_text()
-        when = "" if o.status == "ran" else f" (not run now: fragment of {time.ctime(fragment.stat().st_mtime)})"
+        when = "" if o.status == "ran" else f" (not run now: fragment of {measured_at(fragment)})"
         found = targets(md)
         if not found:
             lines.append(f"| {title}{when} | (no PASS/MISS row in its fragment) | | |")
@@ -153,6 +155,22 @@ def assemble(outcomes: list[Outcome], out: Path, command: str, quick: bool) -> s
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n\n" + "\n".join(sections)
+
+
+def measured_at(fragment: Path) -> str:
+    """When a fragment kept from an earlier run was measured: the ``measured_at`` its JSON records, else the date of
+    the commit that last changed it (a clone gives every file the time of the clone), else its file time."""
+    try:
+        return str(json.loads(fragment.with_suffix(".json").read_text())["measured_at"])
+    except (OSError, ValueError, KeyError):
+        pass
+    cmd = ["git", "log", "-1", "--format=%cd", "--date=format-local:%Y-%m-%d %H:%M:%S UTC", "--", str(fragment)]
+    try:
+        env = {**os.environ, "TZ": "UTC"}
+        committed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env).stdout
+    except OSError:  # no git
+        committed = ""
+    return committed.strip() or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(fragment.stat().st_mtime))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,7 +70,9 @@ def machine_line(info: dict[str, Any] | None = None) -> str:
 
 
 def write_results(name: str, data: dict[str, Any], md: str, out: str | Path | None = None) -> tuple[Path, Path]:
-    """Write ``<out>/<name>.json`` and ``<out>/<name>.md``; return both paths."""
+    """Write ``<out>/<name>.json`` (with ``measured_at``, when it was written: a clone resets file times) and
+    ``<out>/<name>.md``; return both paths."""
+    data = {**data, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     out_dir = Path(out) if out is not None else DEFAULT_OUT
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import require_mosquitto
 
-from benchmarks.__main__ import targets
+from benchmarks.__main__ import measured_at, targets
+from benchmarks.common import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,3 +72,15 @@ def test_quick_round_overhead_is_assembled(tmp_path: Path) -> None:
     assert "## 5. Round overhead" in text  # the fragment itself follows the summary
     assert text.index("## Summary of targets") < text.index("## 5. Round overhead")
     assert "FAILED" not in text
+
+
+def test_a_kept_fragment_is_dated_when_it_was_measured_not_when_it_was_cloned(tmp_path: Path) -> None:
+    fragment = tmp_path / "wire.md"
+    fragment.write_text("## wire\n")
+    write_results("wire", {"x": 1}, "## wire\n", tmp_path)
+    recorded = json.loads((tmp_path / "wire.json").read_text())["measured_at"]
+    os.utime(fragment, (0, 0))  # what a clone does to file times, in the other direction
+    assert measured_at(fragment) == recorded
+    (tmp_path / "wire.json").write_text("{}")  # an older fragment without the stamp: its last commit, else file time
+    assert measured_at(fragment) == "1970-01-01 00:00:00 UTC"
+    assert measured_at(ROOT / "benchmarks" / "results" / "wire.md").startswith("20")  # the commit that wrote it
