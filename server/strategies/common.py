@@ -15,10 +15,14 @@ WEIGHTINGS = ("uniform", "samples")
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """``a.b / (|a||b|)``, and 0 when either norm is below EPS (scale-invariant: norms are not clamped)."""
-    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
-    if na < EPS or nb < EPS:
+    return cosine_of(float(np.dot(a, b)), float(np.linalg.norm(a)), float(np.linalg.norm(b)))
+
+
+def cosine_of(dot: float, norm_a: float, norm_b: float) -> float:
+    """The cosine from a dot product and the two norms already taken, with ``cosine``'s C5 guard."""
+    if norm_a < EPS or norm_b < EPS:
         return 0.0
-    return float(np.dot(a, b)) / (na * nb)
+    return dot / (norm_a * norm_b)
 
 
 def normalise(weights: Sequence[float]) -> np.ndarray:

@@ -32,7 +32,7 @@ import numpy as np
 from edge_client.algorithms.drag import ANGLE_APPROX, CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Round, Strategy, TrainSettings
-from server.strategies.common import EPS, axpy
+from server.strategies.common import EPS, axpy, cosine_of
 from server.strategies.store import held_bytes
 
 
@@ -49,9 +49,7 @@ def degree_of_divergence(cos: float, c: float, approx: str) -> float:
 
 def increment_cosine(delta: np.ndarray, delta_norm: float, r: np.ndarray, r_norm: float) -> float:
     """``cos(g, r)`` with ``g = -delta`` (C5 guard), without making ``g``: ``-delta.r / (|delta| |r|)``."""
-    if delta_norm < EPS or r_norm < EPS:
-        return 0.0
-    return -float(np.dot(delta, r)) / (delta_norm * r_norm)
+    return cosine_of(-float(np.dot(delta, r)), delta_norm, r_norm)
 
 
 @dataclass(eq=False)

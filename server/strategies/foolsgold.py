@@ -31,7 +31,7 @@ import numpy as np
 from edge_client.algorithms.foolsgold import CONTRACT
 from edge_client.protocol import Update
 from server.strategies.base import Round, Strategy, TrainSettings
-from server.strategies.common import EPS
+from server.strategies.common import EPS, cosine_of
 from server.strategies.store import held_bytes
 
 
@@ -50,7 +50,7 @@ class FoolsGold(Strategy):
         ref_norm, clip = float(np.linalg.norm(reference)), self.params["clip_negative"]
 
         def rho(i: int, dot: float) -> float:
-            cos = dot / (norms[i] * ref_norm) if norms[i] >= EPS and ref_norm >= EPS else 0.0
+            cos = cosine_of(dot, norms[i], ref_norm)
             return max(cos, 0.0) if clip else cos
 
         return rho

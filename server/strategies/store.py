@@ -110,10 +110,6 @@ class UpdateStore:
         """The unweighted mean of the rows."""
         return self.sum.mean()
 
-    def dots(self, vector: np.ndarray) -> np.ndarray:
-        """``row_i . vector`` for every row (float64), one read of each row."""
-        return np.array([float(np.dot(row, vector)) for row in self.rows])
-
     def scores(
         self, vector: np.ndarray, rule: Callable[[int, float], float], fold: bool = False
     ) -> tuple[np.ndarray, np.ndarray | None]:

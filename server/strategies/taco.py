@@ -29,7 +29,7 @@ import numpy as np
 from edge_client.algorithms.taco import CONTRACT
 from edge_client.protocol import Assignment, Update
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
-from server.strategies.common import EPS, normalise
+from server.strategies.common import EPS, cosine_of, normalise
 from server.strategies.store import UpdateStore, held_bytes
 
 log = logging.getLogger("edgefl.server")
@@ -58,10 +58,9 @@ def alpha_rule(norms: Sequence[float], ref_norm: float) -> Callable[[int, float]
     total = float(np.sum(norms))
 
     def alpha(i: int, dot: float) -> float:
-        norm = norms[i]
-        if total <= EPS or ref_norm < EPS or norm < EPS:
+        if total <= EPS:
             return 0.0
-        return (1.0 - norm / total) * max(dot / (norm * ref_norm), 0.0)
+        return (1.0 - norms[i] / total) * max(cosine_of(dot, norms[i], ref_norm), 0.0)
 
     return alpha
 
