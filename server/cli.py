@@ -563,10 +563,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C's KeyboardInterrupt would be, so that it takes the same path."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    """`kill`, `systemctl stop` (SIGTERM) and a closed terminal (SIGHUP) stop a command as Ctrl-C does: every
+    `finally` runs, so the clients, the mosquitto and the dashboard it started stop with it (the default action ends
+    the process at once and leaves them running). A repeat while it cleans up is ignored: SIGKILL is the way to
+    abandon the cleanup."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _terminate)
     try:
         return args.func(args)
+    except Terminated as exc:
+        return 128 + exc.signum  # the shell's status of a process its signal ended
     except KeyboardInterrupt:
         return 130
     except (ConfigError, ConnectionError, TimeoutError, FileNotFoundError, ValueError, RuntimeError) as exc:

@@ -6,6 +6,7 @@ broker cannot pass silently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,11 +14,13 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
@@ -52,6 +55,53 @@ CONNECT_TIMEOUT = 10.0
 DEVICES = [f"c{i}" for i in range(10)]
 MqttClientFactory = Callable[..., Client]
 CHANCE = 0.1  # ten classes in digits
+
+
+SESSION_MARK = "EDGEFL_TEST_SESSION"  # in the environment of every process the suite starts
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SESSION_MARK] = uuid.uuid4().hex  # inherited by every process a test starts (env={**os.environ, ...})
+
+
+def _left_behind() -> list[psutil.Process]:
+    """Processes still carrying this session's mark: started by a test and never stopped (orphans included)."""
+    mark = os.environ[SESSION_MARK]
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid not in mine and proc.environ().get(SESSION_MARK) == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:300]}"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return str(proc.pid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a test left a process behind (a broker, a client, a server): it would outlive the suite on a
+    developer's machine and take CPU from every later test. Those still running get 10 s to exit, then are killed."""
+    _, alive = psutil.wait_procs(_left_behind(), timeout=10)
+    if not alive:
+        return
+    lines = [_describe(p) for p in alive]
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write("\n")
+        reporter.write_sep("=", f"{len(lines)} process(es) left running by tests (killed now)", red=True)
+        for line in lines:
+            reporter.write_line(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def in_ci() -> bool:
