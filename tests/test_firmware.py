@@ -186,6 +186,17 @@ def test_installer_refuses_32bit_arm(tmp_path: Path, arch: str) -> None:
         (("--threads", "0"), "--threads"),
         (("--cpu-quota", "lots"), "--cpu-quota"),
         (("--broker", "http://x"), "--broker"),
+        # issue 23: these were pasted into a sed expression: '&' corrupted the URL, '|' left an empty edge-client.env
+        # that a corrected re-run kept, and a crafted value ran a command
+        (("--broker", "mqtt://broker&x:1883"), "--broker"),
+        (("--broker", "mqtt://broker|x:1883"), "--broker"),
+        (("--broker", "mqtt://broker;id:1883"), "--broker"),
+        (("--broker", "mqtt://x|w/tmp/edgefl-pwned"), "--broker"),  # sed's w flag: it wrote a file of our choosing
+        (("--broker", "mqtt://broker.lan:65536"), "--broker"),
+        (("--broker", "mqtt://broker.lan:0"), "--broker"),
+        (("--broker", "mqtt://:1883"), "--broker"),
+        (("--data", "/var/lib/edgefl/a&b.npz"), "--data"),
+        (("--prefix", "/opt/edge|fl"), "--prefix"),
         (("--no-such-flag",), "unknown option"),
     ],
 )
@@ -194,6 +205,23 @@ def test_installer_rejects_bad_arguments(tmp_path: Path, args: tuple[str, ...], 
     result = install(root, "--skip-pip", *args, check=False)
     assert result.returncode == 2
     assert message in result.stderr
+    assert not (root / "etc/edgefl").exists(), "nothing may be written before every value is checked"
+    assert not list(Path("/tmp").glob("edgefl-pwned*"))
+
+
+def test_installer_renders_the_broker_literally_and_rewrites_an_empty_env(tmp_path: Path) -> None:
+    """A host name with dashes, an IPv6 address: rendered as given. An empty edge-client.env (what a failed run used
+    to leave) is written again, not kept."""
+    require("useradd", "usermod")
+    root = new_root(tmp_path)
+    env = root / "etc/edgefl/edge-client.env"
+    env.parent.mkdir(parents=True)
+    env.write_text("")
+    install(root, "--skip-pip", "--broker", "mqtt://[::1]:1883")
+    assert "EDGEFL_BROKER=mqtt://[::1]:1883\n" in env.read_text()
+    env.unlink()
+    install(root, "--skip-pip", "--broker", "mqtts://edge-broker-1.example.org")
+    assert "EDGEFL_BROKER=mqtts://edge-broker-1.example.org\n" in env.read_text()
 
 
 def test_staged_install_user_and_groups(staged: dict[str, object]) -> None:
