@@ -29,6 +29,7 @@ from paho.mqtt.enums import MQTTProtocolVersion
 
 from server.acl import acl_rules, site_rules
 from server.bridge import BridgeSettings, bridge_config
+from server.broker import BrokerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 FW = REPO / "firmware_scripts"
@@ -655,6 +656,9 @@ def test_provisioned_files(provisioned: dict[str, object]) -> None:
     assert (directory / "acl").read_text() == acl_rules("edgefl-server")
     conf = (directory / "mosquitto.conf").read_text()
     for line in ("allow_anonymous false", "require_certificate true", "use_identity_as_username true", "user root"):
+        assert f"\n{line}\n" in conf
+    limits = BrokerSettings()  # the production broker queues what edgefl's own does, in messages and in bytes
+    for line in (f"max_queued_messages {limits.max_queued_messages}", f"max_queued_bytes {limits.max_queued_bytes}"):
         assert f"\n{line}\n" in conf
     for secret in ("ca.key", "server.key", "passwd", "server.password", "devices/d3.key"):
         assert (directory / secret).stat().st_mode & 0o077 == 0, f"{secret} is readable by others"
