@@ -18,7 +18,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +109,43 @@ class QueueFull(ProtocolError):
     """A frame dropped on arrival because its sender, or the link as a whole, has too much waiting already."""
 
     reason = "inbox_full"
+    flood = True  # a flood of these must not flood the log: see ``sparse``
+
+
+def sparse(count: int) -> bool:
+    """Whether the ``count``-th occurrence of something a flood repeats is logged: the 1st, 2nd, 4th, 8th ..."""
+    return count & (count - 1) == 0
+
+
+class FairQueue:
+    """Frames waiting for the caller, served in turn across lanes (one per sender): the head of the first lane, which
+    then goes to the back if it has more. So one sender's backlog delays another's message by one frame per busy
+    sender, not by the whole backlog (25,000 queued hellos of one device once held an honest update for 8 s)."""
+
+    def __init__(self) -> None:
+        self._lanes: OrderedDict[str, deque[tuple[str, bytes | tuple[int, int]]]] = OrderedDict()
+        self._ready = threading.Condition()
+
+    def put(self, lane: str, item: tuple[str, bytes | tuple[int, int]]) -> None:
+        with self._ready:
+            self._lanes.setdefault(lane, deque()).append(item)
+            self._ready.notify()
+
+    def get(self, timeout: float) -> tuple[str, bytes | tuple[int, int]]:
+        """The next item in turn; raises ``queue.Empty`` when none comes within ``timeout`` seconds."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._lanes, timeout=max(timeout, 0.0)):
+                raise queue.Empty
+            lane, items = next(iter(self._lanes.items()))
+            item = items.popleft()
+            if items:
+                self._lanes.move_to_end(lane)
+            else:
+                del self._lanes[lane]
+            return item
+
+    def empty(self) -> bool:
+        return not self._lanes
 
 
 class Spool:
@@ -158,10 +195,11 @@ class Inbox:
 
     The queue between the network thread and the caller is bounded in bytes: in all (``max_queued_bytes``) and, once
     ``limit_senders`` gives a budget per topic, per sender (its budget plus a little for small messages), so one
-    flooding sender can neither exhaust memory nor crowd out the others. What is dropped is counted as
-    ``inbox_full``. With ``spool_dir``, at most ``MEMORY_QUEUE_BYTES`` of the queue are held in memory and the rest
-    wait in a ``Spool`` there: what many devices upload at once, faster than the caller takes it, then costs the
-    process no memory per device.
+    flooding sender can neither exhaust memory nor crowd out the others; from then on the queue is also served
+    round-robin across senders (``FairQueue``), so what one sender has queued never delays another's message. What is
+    dropped is counted as ``inbox_full``. With ``spool_dir``, at most ``MEMORY_QUEUE_BYTES`` of the queue are held in
+    memory and the rest wait in a ``Spool`` there: what many devices upload at once, faster than the caller takes it,
+    then costs the process no memory per device.
     """
 
     def __init__(self, max_message_bytes: int, max_queued_bytes: int = 1 << 30, spool_dir: Path | None = None) -> None:
@@ -170,7 +208,7 @@ class Inbox:
         self.max_queued_bytes = max_queued_bytes
         self._bytes_by_topic: Counter[str] = Counter()
         # a frame, or where it waits in the spool (offset, size)
-        self._inbox: queue.Queue[tuple[str, bytes | tuple[int, int]]] = queue.Queue()
+        self._inbox = FairQueue()  # one lane (FIFO) until ``limit_senders``, then one per topic
         self._queued: Counter[str] = Counter()  # bytes waiting per topic
         self._queued_total = 0
         self._in_memory = 0  # bytes of the queued frames held in memory
@@ -199,7 +237,7 @@ class Inbox:
             if mine > cap or self._queued_total + n > self.max_queued_bytes:
                 self.rejections[QueueFull.reason] += 1
                 dropped = self.rejections[QueueFull.reason]
-                if dropped & (dropped - 1) == 0:  # the 1st, 2nd, 4th, 8th ... drop: a flood does not flood the log
+                if sparse(dropped):
                     log.warning("dropped a %d-byte frame on %s: %d bytes of it queued, %d in all (%d dropped so far)",
                                 n, topic, self._queued[topic], self._queued_total, dropped)  # fmt: skip
                 return
@@ -207,7 +245,7 @@ class Inbox:
             self._queued_total += n
             spooled = self._spool.put(payload) if self._spool and self._in_memory + n > MEMORY_QUEUE_BYTES else None
             self._in_memory += 0 if spooled else n
-        self._inbox.put((topic, spooled or payload))
+        self._inbox.put(topic if self._budget is not None else "", (topic, spooled or payload))
 
     def receive(self, timeout: float) -> tuple[str, Message] | None:
         """The next valid message and its topic, or None when ``timeout`` passes without one.
@@ -218,7 +256,7 @@ class Inbox:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                topic, item = self._inbox.get(timeout=remaining) if remaining > 0 else self._inbox.get_nowait()
+                topic, item = self._inbox.get(remaining)
             except queue.Empty:
                 return None
             with self._queue_lock:
@@ -252,10 +290,14 @@ class Inbox:
         return self._bytes_by_topic.pop(topic, 0)
 
     def reject(self, topic: str, exc: ProtocolError) -> None:
-        """Count and log a message that failed validation (also used by callers for semantic checks)."""
+        """Count and log a message that failed validation (also used by callers for semantic checks); what a flood
+        repeats (``exc.flood``) is logged sparsely."""
         with self._queue_lock:
             self.rejections[exc.reason] += 1
-        log.warning("rejected message on %s: %s: %s", topic, type(exc).__name__, exc)
+            count = self.rejections[exc.reason]
+        if not getattr(exc, "flood", False) or sparse(count):
+            log.warning("rejected message on %s: %s: %s (%d %s so far)", topic, type(exc).__name__, exc, count,
+                        exc.reason)  # fmt: skip
 
 
 class MqttLink(Inbox):

@@ -95,9 +95,18 @@ id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'   # edge_client.topics.CLIENT_ID_RE
 [[ $SVC_USER =~ ^[a-z_][a-z0-9_-]{0,30}$ ]] || die "invalid --user '$SVC_USER'"
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer, got '$THREADS'"
 [[ $CPU_QUOTA =~ ^[1-9][0-9]*%$ ]] || die "--cpu-quota must look like 300%, got '$CPU_QUOTA'"
-[[ $PREFIX == /* ]] || die "--prefix must be an absolute path"
-[[ $BROKER =~ ^mqtts?://[^[:space:]]+$ ]] || die "--broker must be mqtt://HOST:PORT or mqtts://HOST:PORT"
-[[ $DATA == /* && $DATA != *[[:space:]]* ]] || die "--data must be an absolute path without spaces"
+# Every value that ends up in a rendered file is checked against a strict pattern first (nothing is written before):
+# a host name, an IPv4 address or a bracketed IPv6 address, and a port 1-65535.
+host_re='([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])'
+broker_re="^mqtts?://${host_re}(:([0-9]{1,5}))?\$"
+port=0
+[[ $BROKER =~ $broker_re ]] && port=${BASH_REMATCH[6]:-1883}
+if ((10#$port < 1 || 10#$port > 65535)); then
+    die "--broker must be mqtt://HOST:PORT or mqtts://HOST:PORT (a host name or address, a port 1-65535), got '$BROKER'"
+fi
+path_re='^/[A-Za-z0-9._/-]*$'
+[[ $PREFIX =~ $path_re ]] || die "--prefix must be an absolute path of letters, digits, _ . - and /, got '$PREFIX'"
+[[ $DATA =~ $path_re ]] || die "--data must be an absolute path of letters, digits, _ . - and /, got '$DATA'"
 if [ -n "$CLIENT_ID" ] && ! [[ $CLIENT_ID =~ $id_re ]]; then
     die "invalid --client-id '$CLIENT_ID' (1-64 of letters, digits, _ . -; starting with a letter or digit)"
 fi
@@ -171,10 +180,14 @@ mkdir -p "$R_CONF" "$R_STATE"
 own "0:$SVC_GID" 0750 "$R_CONF"
 own "$SVC_UID:$SVC_GID" 0750 "$R_STATE"
 
-render() { # render TEMPLATE: substitute @KEY@ placeholders (values never contain '|')
-    sed -e "s|@PREFIX@|$PREFIX|g" -e "s|@USER@|$SVC_USER|g" -e "s|@CONFDIR@|$CONFDIR|g" \
-        -e "s|@CPU_QUOTA@|$CPU_QUOTA|g" -e "s|@BROKER@|$BROKER|g" -e "s|@CLIENT_ID@|$DEVICE_ID|g" \
-        -e "s|@DATA@|$DATA|g" -e "s|@CA_FILE@|$CA_FILE|g" -e "s|@JOB@|$JOB|g" -e "s|@THREADS@|$THREADS|g" "$1"
+render() { # render TEMPLATE: substitute @KEY@ placeholders, each value escaped for sed's replacement text
+    local expr=() pair value
+    for pair in "PREFIX=$PREFIX" "USER=$SVC_USER" "CONFDIR=$CONFDIR" "CPU_QUOTA=$CPU_QUOTA" "BROKER=$BROKER" \
+        "CLIENT_ID=$DEVICE_ID" "DATA=$DATA" "CA_FILE=$CA_FILE" "JOB=$JOB" "THREADS=$THREADS"; do
+        value=$(printf '%s' "${pair#*=}" | sed -e 's/[\\&|]/\\&/g')
+        expr+=(-e "s|@${pair%%=*}@|$value|g")
+    done
+    sed "${expr[@]}" "$1"
 }
 write_new() { # write_new PATH MODE OWNER < content: atomically, only if PATH does not exist
     local path=$1 tmp
@@ -209,10 +222,11 @@ if [ -n "$CA_SRC" ]; then
     CA_FILE=$CONFDIR/ca.crt
     [ -e "$R_CONF/ca.crt" ] || write_new "$R_CONF/ca.crt" 0644 0:0 <"$CA_SRC"
 fi
-if [ -e "$R_CONF/edge-client.env" ]; then
+if [ -s "$R_CONF/edge-client.env" ]; then
     log "keeping existing $CONFDIR/edge-client.env"
-else
-    render "$HERE/edge-client.env.in" | write_new "$R_CONF/edge-client.env" 0640 "0:$SVC_GID"
+else # rendered whole before anything is written: a failed render leaves no file (an empty one is written again)
+    env_text=$(render "$HERE/edge-client.env.in")
+    printf '%s\n' "$env_text" | write_new "$R_CONF/edge-client.env" 0640 "0:$SVC_GID"
 fi
 if [ -n "$PW_SRC" ] && [ ! -s "$R_CONF/password" ]; then
     if [ "$PW_SRC" = - ]; then head -n1 | write_new "$R_CONF/password" 0640 "0:$SVC_GID"; else

@@ -227,6 +227,7 @@ cmd_init() {
         echo "set_tcp_nodelay true"
         echo "max_inflight_messages 20"
         echo "max_queued_messages 10000"
+        echo "max_queued_bytes 268435456" # as server.broker.BrokerSettings (tests/test_firmware.py keeps them equal)
         echo "persistence true"
         echo "persistence_location $dir/data/"
         echo "autosave_interval 5"

@@ -90,6 +90,13 @@ class BrokerSettings:
     host: str = "127.0.0.1"
     port: int | None = None  # None: a free port chosen when the Broker is created
     max_packet_size: int = 16 * 2**20  # bytes; paho senders check payloads against this (CONNACK MaximumPacketSize)
+    # What the broker queues for one session beyond its messages in flight: at most this many messages and bytes
+    # (mosquitto's max_queued_messages and max_queued_bytes; past either, it drops what comes and logs "Outgoing
+    # messages are being dropped"). Bytes too because a count alone let one device's offline session hold 246 MB of
+    # models (issue 23). A device or the server that lost queued messages gets them again: a device asks for its
+    # assignment and model (resync, model request), an update is sent again until the server acknowledges it.
+    max_queued_messages: int = 10000
+    max_queued_bytes: int = 256 * 2**20
     server_user: str = "edgefl-server"
     devices: list[str] = field(default_factory=list)  # client ids to create credentials for
     allow_anonymous: bool = False
@@ -199,7 +206,8 @@ class Broker:
             f"max_packet_size {s.max_packet_size}",
             "set_tcp_nodelay true",
             "max_inflight_messages 20",
-            "max_queued_messages 10000",
+            f"max_queued_messages {s.max_queued_messages}",
+            f"max_queued_bytes {s.max_queued_bytes}",
             f"log_dest file {self.log_path}",  # flushed per line, unlike a redirected stdout; early errors go to stderr
             "log_timestamp_format %Y-%m-%dT%H:%M:%S",
             "log_type error",

@@ -8,19 +8,21 @@ counted in the metrics and its text), remembers the newest answers per device by
 with the same verdict without processing it again: an update is never aggregated twice, and a lost ack costs one more
 upload, not a round. A device that asks (``Resync``) gets its assignment of the current round again when it has not
 answered it, and the assignment went out before the hello that opened the device's current connection (what went out
-after that hello reached the device on that connection) and is not the newest one the device served.
+after that hello reached the device on that connection) and is not the newest one the device served; at most
+``RESENDS_PER_ROUND`` times a round (``server.rate_limits``), whatever it asks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from edge_client.protocol import Ack, Assignment, Failure, Hello, Message, ProtocolError, Resync, Update, encode
 from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.admission import RoundState
+from server.rate_limits import RESENDS_PER_ROUND, RateLimited
 
 log = logging.getLogger("edgefl.server")
 
@@ -37,6 +39,7 @@ class Delivery:
         self._answers: dict[str, OrderedDict[str, Ack]] = {}  # device -> msg id -> the answer it was given
         self._heard: dict[str, OrderedDict[str, int]] = {}  # device -> hello msg id -> when it was answered
         self._assignments: dict[str, tuple[Assignment, int]] = {}  # this round's, by device, and when it went out
+        self._resent: Counter[str] = Counter()  # this round's assignments sent again, by device
         self._round = 0
         self._tick = 0  # orders hellos and assignments: the orchestrator handles one thing at a time
 
@@ -77,14 +80,15 @@ class Delivery:
     def assigned(self, round_: int, client_id: str, assignment: Assignment) -> None:
         """Keep this round's assignment of ``client_id`` (with its message id) to send it again if it is lost."""
         if round_ != self._round:
-            self._assignments, self._round = {}, round_
+            self._assignments, self._resent, self._round = {}, Counter(), round_
         self._tick += 1
         self._assignments[client_id] = (assignment, self._tick)
 
     def resend(self, sender: str, resync: Resync, run_id: str, state: RoundState | None) -> bool:
         """Send ``sender`` its assignment of the current round again, if it has one it has neither reported nor
         failed, and the device cannot have it: it went out before the device's current connection said hello (or
-        that hello never arrived), and it is not the round the device says it served. True when it was sent."""
+        that hello never arrived), and it is not the round the device says it served. True when it was sent; raises
+        ``RateLimited`` when it was sent again ``RESENDS_PER_ROUND`` times this round already."""
         owed = state is not None and state.round == self._round and sender in self._assignments
         if not owed or sender in state.received or sender in state.failed:  # type: ignore[union-attr]
             return False
@@ -92,6 +96,10 @@ class Delivery:
         hello_at = self._heard.get(sender, {}).get(resync.since)
         if (hello_at is not None and sent_at > hello_at) or (resync.run_id, resync.round) == (run_id, self._round):
             return False
+        if self._resent[sender] >= RESENDS_PER_ROUND:
+            raise RateLimited(f"round {self._round}: {sender} was sent its assignment again {self._resent[sender]} "
+                              "times already; no more this round")  # fmt: skip
+        self._resent[sender] += 1
         log.info("round %d: %s lost its assignment (it holds round %d of run %s); sending it again",
                  self._round, sender, resync.round, resync.run_id or "none")  # fmt: skip
         self.link.publish(self.topics.down(sender), encode(assignment))

@@ -8,7 +8,8 @@ device that connects mid-round the whole model); a version is published once how
 Each assignment keeps its instructions, the model's version and digest, the shared arrays' names it uses and the
 arrays meant for that client alone. Nothing depends on the retained copy (an ejabberd cluster does not share it
 across nodes, docs/scaling.md): a device that did not get the model asks (``ModelRequest``) and is sent it on its
-own topic, once per round. The server's egress is counted here, per round.
+own topic, once per round, and once more if it lost its assignment, never more than ``RESENDS_PER_ROUND`` times
+whatever it asks (``server.rate_limits``). The server's egress is counted here, per round.
 
 With ``train.downlink_codec = "int8"`` (``server.downlink``) the broadcast carries the int8-coded difference from the
 previous version instead, and the model it names is the one devices rebuild from it: a device that holds the previous
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Collection
 
 import numpy as np
@@ -39,6 +41,7 @@ from edge_client.protocol import (
 from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.downlink import Downlink
+from server.rate_limits import RESENDS_PER_ROUND, RateLimited
 
 log = logging.getLogger("edgefl.server")
 
@@ -88,7 +91,8 @@ class Distribution:
         self._payload: tuple[str, bytes | bytearray] = ("", b"")  # a message's id and its frame, encoded once
         self._published = ""  # sha256 of the model last broadcast by this server
         self._frames = 0  # frames of the last broadcast, retained: cleared at the end
-        self._answered: set[str] = set()  # clients sent the current model on request this round
+        self._answered: set[str] = set()  # clients sent the current model on request, and not lost since
+        self._sends: Counter[str] = Counter()  # models sent to each client on request this round
         self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
         self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
 
@@ -105,6 +109,7 @@ class Distribution:
         """Publish the round's model (unless this version went out already) and every assignment; per client the
         assignment as sent (naming the model) and its bytes."""
         self._answered.clear()
+        self._sends.clear()
         if not assignments:
             return {}
         slim = self.split(round_, version, assignments)
@@ -135,7 +140,8 @@ class Distribution:
         return self._payload[1]
 
     def answer(self, sender: str, request: ModelRequest, told: Collection[str]) -> None:
-        """Send the round's model to ``sender`` alone, once per round, if its assignment names it."""
+        """Send the round's model to ``sender`` alone if its assignment names it: once, and once more after it lost
+        its assignment, at most ``RESENDS_PER_ROUND`` times a round."""
         if request.client_id != sender:
             raise InvalidField(f"model request on the topic of {sender!r} claims client id {request.client_id!r}")
         model = self.current
@@ -144,7 +150,11 @@ class Distribution:
                              "the model of its assignment in the round in progress")  # fmt: skip
         if sender in self._answered:
             raise DuplicateMessage(f"{sender} was sent the model of round {model.round} once already")
+        if self._sends[sender] >= RESENDS_PER_ROUND:
+            raise RateLimited(f"{sender} was sent the model of round {model.round} {self._sends[sender]} times "
+                              "already; no more this round")  # fmt: skip
         self._answered.add(sender)
+        self._sends[sender] += 1
         sent = self._publish(self.topics.down(sender), self.model_message(model))
         log.warning("round %d: %s did not get the model broadcast; sent it %d bytes on its own topic",
                     model.round, sender, sent)  # fmt: skip

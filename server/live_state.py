@@ -7,13 +7,20 @@ lock; a writer thread serialises it and replaces the file atomically (tmp + ``os
 ``1 / min_interval_s`` times a second. So the dashboard reads files alone (``edge-server dashboard --out RUN_DIR``
 works without the server) and neither it nor a slow disk can hold up a round. Until :meth:`LiveState.start` nothing is
 written (tests drive an orchestrator's handlers without running it).
+
+What a device says is untrusted: its hello's facts are made JSON-safe (``json_safe``) before they are stored, the state
+is serialised strictly (no NaN, which ``JSON.parse`` refuses and which stopped the page for everyone) with a sanitised
+copy as the fallback, and the writer thread logs whatever goes wrong and carries on: one device's bytes cannot leave
+``live.json`` at round 0.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +31,46 @@ log = logging.getLogger("edgefl.server")
 LIVE_FILE = "live.json"
 #: The instruction fields the dashboard shows (what a client was last told); the rest stays in metrics.jsonl.
 TOLD_KEYS = ("local_steps", "alpha", "lr", "batch_size")
+#: What a device-given value may hold once stored: texts cut to this many characters, maps and lists to this many
+#: entries, nesting to this depth; anything else (bytes, NaN, Inf, other types) is dropped.
+MAX_TEXT, MAX_ENTRIES, MAX_DEPTH = 256, 32, 3
+
+
+def json_safe(value: Any, depth: int = MAX_DEPTH, entries: int = MAX_ENTRIES) -> Any:
+    """``value`` as strict JSON can carry it: finite numbers, booleans, None, texts cut short, and maps (text keys) and
+    lists of those, at most ``entries`` long and ``depth`` deep; what does not fit is dropped (None in a list, left
+    out of a map)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 2**53 else None  # beyond that a browser's number is not the value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return value[:MAX_TEXT]
+    if depth <= 0:
+        return None
+    if isinstance(value, list | tuple):
+        return [json_safe(v, depth - 1, entries) for v in value[:entries]]
+    if not isinstance(value, dict):
+        return None
+    kept: dict[str, Any] = {}
+    for k, v in value.items():
+        if len(kept) == entries:
+            break
+        safe = json_safe(v, depth - 1, entries)
+        if isinstance(k, str) and safe is not None:
+            kept[k[:MAX_TEXT]] = safe
+    return kept
+
+
+def strict_json(value: Any) -> str:
+    """``value`` as strict JSON (no NaN or Infinity); when it cannot be, its ``json_safe`` copy, and a warning."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        log.warning("state not strict JSON (%s); writing it with the offending values dropped", exc)
+        return json.dumps(json_safe(value, depth=16, entries=sys.maxsize), allow_nan=False)
 
 
 class LiveState:
@@ -59,8 +106,10 @@ class LiveState:
                 self._changed()
 
     def registered(self, client_id: str, device: dict[str, Any]) -> None:
+        """``device``: the hello's facts, as the device sent them (made JSON-safe here)."""
+        facts = json_safe(device) if isinstance(device, dict) else {}
         with self._cond:
-            self._client(client_id).update(online=True, device=device, registered_at=time.time())
+            self._client(client_id).update(online=True, device=facts, registered_at=time.time())
             self._changed()
 
     def presence(self, client_id: str, online: bool) -> None:
@@ -120,9 +169,14 @@ class LiveState:
             with self._cond:
                 self._cond.wait_for(lambda: self._dirty)
                 self._state["updated_at"] = time.time()
-                text = json.dumps(self._state)
                 self._dirty, closing = False, self._closing
-            self._write(text)
+                try:
+                    text: str | None = strict_json(self._state)
+                except Exception:  # the dashboard goes stale for one write; the writer and training go on
+                    log.exception("could not serialise the live state; %s not updated this time", self.path)
+                    text = None
+            if text is not None:
+                self._write(text)
             if closing:
                 return
             with self._cond:  # the throttle: changes in the meantime go out together

@@ -83,6 +83,7 @@ from server.federated_eval import EvalRound, FederatedEvaluation
 from server.fleet_summary import device_class, fleet_summary, parallel_round_s
 from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
+from server.rate_limits import RateLimited, RateLimits
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
@@ -205,6 +206,7 @@ class Orchestrator:
             self.link, self.topics, self.strategy.contract, Downlink(t.downlink_codec, config.run.seed)
         )
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
+        self.limits = RateLimits()  # per device and control message kind (server.rate_limits)
         self.link.answer_repeats(self.delivery.repeated)
 
     def _live_facts(self) -> dict[str, Any]:
@@ -243,6 +245,13 @@ class Orchestrator:
     def _handle(self, topic: str, msg: Message) -> None:
         sender = self.topics.sender_of(topic)
         self.live.heard(sender)
+        if sender is not None:
+            try:
+                self.limits.check(sender, msg.TYPE)
+            except RateLimited as exc:  # dropped before any work: not handled, not answered
+                self.link.reject(topic, exc)
+                self.live.rejected(sender, exc.reason)
+                return
         if sender is not None and self.delivery.repeat(sender, msg.msg_id):
             return  # answered again, never processed twice
         error: ProtocolError | None = None
@@ -417,6 +426,7 @@ class Orchestrator:
         predictions = {cid: self.times.predict(cid, planned[cid].local_steps) for cid in selected}
         deadline_s = round_deadline(self.config.clients, predictions)
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
+        self.limits.new_round()
         self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
         self.times.round_started()
         assignments = {}

@@ -282,3 +282,34 @@ def test_page_follows_a_live_simulation(tmp_path: Path, start, browser) -> None:
     page.screenshot(path=str(shot), full_page=True)
     _not_blank(shot)
     page.close()
+
+
+def test_nan_in_metrics_reaches_the_page_as_strict_json(tmp_path: Path) -> None:
+    """Issue 23: NaN in an update's metrics went out as a bare NaN, which JSON.parse refuses: the page stopped."""
+    nan = float("nan")
+    report = {**_report(nan, temperature_c_after=nan, cpu_freq_mhz_after=float("inf")), "bytes_up": 10**400}
+    _write_run(tmp_path, [{**_row(1, nan, {"c0": report}), "elapsed_s": float("inf")}])
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    state = json.loads(RunView(tmp_path).snapshot(), parse_constant=refuse)
+    (client,) = state["clients"]
+    assert state["points"] == [[1, 0.0, 0.0]] and client["median_compute_s"] is None
+    assert client["last"]["temperature_c"] is None and client["last"]["cpu_freq_mhz"] is None
+    assert client["last"]["bytes_up"] is None
+
+
+def test_a_token_that_is_not_ascii_is_refused_not_a_server_error(tmp_path: Path) -> None:
+    """Issue 23: ``?token=%C3%A9`` made secrets.compare_digest raise (500 and a traceback); compared as bytes: 403."""
+    from server.dashboard.server import DashboardServer
+
+    _write_run(tmp_path, [_row(1, 0.5, {})])
+    server = DashboardServer(tmp_path, Address("127.0.0.1", 0, "s3cret-token")).start()
+    try:
+        base = f"http://127.0.0.1:{server.port}/state"
+        assert _status(f"{base}?token=%C3%A9") == 403
+        assert _status(base, {"Authorization": "token \u00e9"}) == 403  # a header is Latin-1 on the wire
+        assert _status(f"{base}?token=s3cret-token") == 200
+    finally:
+        server.stop()

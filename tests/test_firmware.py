@@ -29,6 +29,7 @@ from paho.mqtt.enums import MQTTProtocolVersion
 
 from server.acl import acl_rules, site_rules
 from server.bridge import BridgeSettings, bridge_config
+from server.broker import BrokerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 FW = REPO / "firmware_scripts"
@@ -186,6 +187,17 @@ def test_installer_refuses_32bit_arm(tmp_path: Path, arch: str) -> None:
         (("--threads", "0"), "--threads"),
         (("--cpu-quota", "lots"), "--cpu-quota"),
         (("--broker", "http://x"), "--broker"),
+        # issue 23: these were pasted into a sed expression: '&' corrupted the URL, '|' left an empty edge-client.env
+        # that a corrected re-run kept, and a crafted value ran a command
+        (("--broker", "mqtt://broker&x:1883"), "--broker"),
+        (("--broker", "mqtt://broker|x:1883"), "--broker"),
+        (("--broker", "mqtt://broker;id:1883"), "--broker"),
+        (("--broker", "mqtt://x|w/tmp/edgefl-pwned"), "--broker"),  # sed's w flag: it wrote a file of our choosing
+        (("--broker", "mqtt://broker.lan:65536"), "--broker"),
+        (("--broker", "mqtt://broker.lan:0"), "--broker"),
+        (("--broker", "mqtt://:1883"), "--broker"),
+        (("--data", "/var/lib/edgefl/a&b.npz"), "--data"),
+        (("--prefix", "/opt/edge|fl"), "--prefix"),
         (("--no-such-flag",), "unknown option"),
     ],
 )
@@ -194,6 +206,23 @@ def test_installer_rejects_bad_arguments(tmp_path: Path, args: tuple[str, ...], 
     result = install(root, "--skip-pip", *args, check=False)
     assert result.returncode == 2
     assert message in result.stderr
+    assert not (root / "etc/edgefl").exists(), "nothing may be written before every value is checked"
+    assert not list(Path("/tmp").glob("edgefl-pwned*"))
+
+
+def test_installer_renders_the_broker_literally_and_rewrites_an_empty_env(tmp_path: Path) -> None:
+    """A host name with dashes, an IPv6 address: rendered as given. An empty edge-client.env (what a failed run used
+    to leave) is written again, not kept."""
+    require("useradd", "usermod")
+    root = new_root(tmp_path)
+    env = root / "etc/edgefl/edge-client.env"
+    env.parent.mkdir(parents=True)
+    env.write_text("")
+    install(root, "--skip-pip", "--broker", "mqtt://[::1]:1883")
+    assert "EDGEFL_BROKER=mqtt://[::1]:1883\n" in env.read_text()
+    env.unlink()
+    install(root, "--skip-pip", "--broker", "mqtts://edge-broker-1.example.org")
+    assert "EDGEFL_BROKER=mqtts://edge-broker-1.example.org\n" in env.read_text()
 
 
 def test_staged_install_user_and_groups(staged: dict[str, object]) -> None:
@@ -627,6 +656,9 @@ def test_provisioned_files(provisioned: dict[str, object]) -> None:
     assert (directory / "acl").read_text() == acl_rules("edgefl-server")
     conf = (directory / "mosquitto.conf").read_text()
     for line in ("allow_anonymous false", "require_certificate true", "use_identity_as_username true", "user root"):
+        assert f"\n{line}\n" in conf
+    limits = BrokerSettings()  # the production broker queues what edgefl's own does, in messages and in bytes
+    for line in (f"max_queued_messages {limits.max_queued_messages}", f"max_queued_bytes {limits.max_queued_bytes}"):
         assert f"\n{line}\n" in conf
     for secret in ("ca.key", "server.key", "passwd", "server.password", "devices/d3.key"):
         assert (directory / secret).stat().st_mode & 0o077 == 0, f"{secret} is readable by others"

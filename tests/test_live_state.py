@@ -83,3 +83,59 @@ def test_orchestrator_records_what_it_handles(tmp_path: Path) -> None:
     c0 = state["clients"]["c0"]
     assert c0["device"] == {"machine": "armv7l"} and c0["online"] is False
     assert c0["rejected"] == {"out_of_round": 1}
+
+
+def _strict(text: str) -> dict:
+    """JSON as a browser's JSON.parse reads it: NaN and Infinity are errors."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_hello_with_bytes_and_nan_in_its_device_facts_does_not_stop_live_json(tmp_path: Path) -> None:
+    """Issue 23: bytes in a hello's facts killed the writer thread (live.json stayed at round 0); NaN reached the page
+    as a bare NaN. Through the orchestrator's real handler: the facts are stored JSON-safe and the state advances."""
+    digits = load_dataset("digits", seed=0)
+    config = from_dict({"run": {"out": str(tmp_path)}, "data": {"dataset": "digits"}, "train": {"algorithm": "fedavg"}})
+    orch = Orchestrator(config, LinkConfig("mqtt://127.0.0.1:1"), Evaluator(digits.model, digits.test), digits.model,
+                        tmp_path)  # fmt: skip
+    orch.live.start()
+    facts = {"machine": "aarch64", "blob": b"\x00\xff", "temp": float("nan"), "big": float("inf"), "x" * 999: 1,
+             "nested": {"a": [1, b"\x01", float("-inf")]}, **{f"k{i}": i for i in range(100)}}  # fmt: skip
+    orch._handle(orch.topics.up("c0"), Hello(client_id="c0", num_samples=10, device=facts))
+    orch.live.round_started(1, 0.0, {})
+    orch.live.close()
+    state = _strict((tmp_path / LIVE_FILE).read_text())
+    assert state["run"]["round"] == 1
+    device = state["clients"]["c0"]["device"]
+    assert device["machine"] == "aarch64" and device["nested"] == {"a": [1, None, None]}
+    assert not {"blob", "temp", "big"} & set(device) and len(device) <= 32 and all(len(k) <= 256 for k in device)
+
+
+def test_the_writer_logs_a_failed_write_and_carries_on(tmp_path: Path, monkeypatch, caplog) -> None:
+    from server import live_state
+
+    calls = []
+
+    def fails_once(value: object) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return json.dumps(value)
+
+    monkeypatch.setattr(live_state, "strict_json", fails_once)
+    live = LiveState(tmp_path, {"algorithm": "fedavg"})
+    live.start()  # its first write fails
+    live.round_started(2, 0.0, {})
+    live.close()
+    assert _read(tmp_path)["run"]["round"] == 2 and "could not serialise the live state" in caplog.text
+
+
+def test_state_that_is_not_strict_json_is_written_without_the_offending_values(tmp_path: Path) -> None:
+    live = LiveState(tmp_path, {"algorithm": "fedavg", "target": float("nan")})  # a value no hook would let in
+    live.start()
+    live.close()
+    state = _strict((tmp_path / LIVE_FILE).read_text())
+    assert state["run"]["algorithm"] == "fedavg" and "target" not in state["run"] and state["run"]["finished"]

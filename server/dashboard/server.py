@@ -89,7 +89,8 @@ class _Handler(tornado.web.RequestHandler):
         cookie = f"edgefl-dashboard-{self.settings['port']}"
         header = self.request.headers.get("Authorization", "")
         given = self.get_query_argument("token", None) or header.removeprefix("token ") or self.get_cookie(cookie)
-        if not given or not secrets.compare_digest(given, address.token):
+        # as bytes: compare_digest raises on a str that is not ASCII (a 500 and a traceback for ?token=%C3%A9)
+        if not given or not secrets.compare_digest(given.encode("utf-8", "replace"), address.token.encode()):
             raise tornado.web.HTTPError(403, reason="token required: open the address printed at start")
         self.set_cookie(cookie, address.token, httponly=True, samesite="Strict")
 

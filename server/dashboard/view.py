@@ -3,19 +3,20 @@ server/live_state.py), ``metrics.jsonl`` (one row per finished round), ``summary
 
 ``metrics.jsonl`` is read incrementally (only appended bytes, only complete lines) and read again from the start when
 a new or resumed run rewrites it. Every value a client sent (its hello's device facts, the metrics of its updates) is
-untrusted: numbers are kept only when they are numbers, texts are cut short, and the page sets them as text, never as
-markup.
+untrusted: numbers are kept only when they are finite numbers, texts are cut short, and the page sets them as text,
+never as markup. The state goes out as strict JSON (no NaN: ``JSON.parse`` refuses it, and the page would stop).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.live_state import LIVE_FILE
+from server.live_state import LIVE_FILE, strict_json
 
 TIMELINE_FILE = "timeline.png"
 #: Hello fields that name a device's class (a fleet profile); without one, the class is told by its hardware.
@@ -23,7 +24,14 @@ DEVICE_CLASS_KEYS = ("device_class", "profile")
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """A finite number, or None (metrics.jsonl keeps what devices sent, NaN and Infinity included)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _text(value: Any, limit: int = 64) -> str | None:
@@ -94,7 +102,7 @@ class RunView:
         stamp = tuple(self._stat(name) for name in (LIVE_FILE, "metrics.jsonl", "summary.json", TIMELINE_FILE))
         if stamp != self._stamp:
             self._stamp = stamp
-            self._cached = json.dumps(self.build()).encode()
+            self._cached = strict_json(self.build()).encode()
         return self._cached
 
     def build(self) -> dict[str, Any]:
