@@ -280,7 +280,7 @@ def plot_alphas(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _per_class(runs: Runs, key: str, fmt: str) -> str:
+def per_class(runs: Runs, key: str, fmt: str) -> str:
     """``pi3 4 · pi4 0`` : a per_class figure of summary.json per class, the mean over runs."""
     classes = sorted({c for r in runs for c in r["summary"].get("per_class", {})})
     cells = []
@@ -296,8 +296,8 @@ def fleet_table(records: Runs) -> Table | None:
     return _table(
         records,
         [
-            ("rounds missed per class", lambda runs, _: _per_class(runs, "rounds_missed", "{:.3g}")),
-            ("s / 100 local steps per class", lambda runs, _: _per_class(runs, "s_per_100_steps", "{:.3g}")),
+            ("rounds missed per class", lambda runs, _: per_class(runs, "rounds_missed", "{:.3g}")),
+            ("s / 100 local steps per class", lambda runs, _: per_class(runs, "s_per_100_steps", "{:.3g}")),
         ],
     )
 
