@@ -3,7 +3,9 @@
 Every algorithm of a column trains on the identical partition with the identical seeds; only the algorithm differs.
 Runs go one after another, in-process by default (clients one after another, compute times free of contention) or
 over a broker with one process per client (``--mode broker``, what devices do). A finished run is not run again when
-the bench is restarted with the same output directory, so a long suite can be resumed.
+the bench is restarted with the same output directory, so a long suite can be resumed. A variant may run in its own
+mode (one mosquitto is started when the first broker-mode run needs it); rows chosen by a ranking (``best:N``) run
+once every other run is done.
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "seed": spec.seed,
         "path": spec.path,
         "mode": spec.mode,
-        "target": config.run.target_accuracy,
         "steps_policy": config.train.steps_policy,
         "params": config.algorithm_params(),
         "summary": summary,
@@ -176,14 +177,15 @@ def _run_specs(
     progress: Progress,
     task: TaskID,
 ) -> None:
-    """Run each spec not finished before (its record.json kept), adding every record to ``records`` by path."""
+    """Run each spec not finished before (its record.json kept), adding every record to ``records`` by path, with
+    the target its column has in the suite now (the tables read it from the curves, so it may change after the runs)."""
     total = progress.tasks[task].total
     for spec in specs:
         i = len(records) + 1
         run_dir = out_dir / "runs" / spec.path
         done_file = run_dir / "record.json"
         if done_file.exists():
-            records[spec.path] = json.loads(done_file.read_text())
+            records[spec.path] = {**json.loads(done_file.read_text()), "target": spec.config.run.target_accuracy}
             progress.console.print(f"run {i}/{total} {spec.path}: done before, kept")
             progress.advance(task)
             continue
@@ -195,7 +197,7 @@ def _run_specs(
         record = run_one(spec, datasets[key], run_dir, brokers.for_mode(spec.mode))
         record["duration_s"] = time.monotonic() - t0
         done_file.write_text(json.dumps(record) + "\n")
-        records[spec.path] = record
+        records[spec.path] = {**record, "target": spec.config.run.target_accuracy}  # the suite's, now: it may change
         s = record["summary"]
         reached = f"target in round {s['rounds_to_target']}" if s["rounds_to_target"] else "target not reached"
         progress.console.print(
