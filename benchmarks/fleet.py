@@ -199,6 +199,7 @@ def leaderboard(args: argparse.Namespace) -> tuple[Path, Path]:
     return board.write(
         records,
         Path(args.leaderboard),
+        runs_dir,
         title="Which algorithm wins on your fleet: the fleet leaderboard",
         facts=[f for f in facts if f],
         description=suite.description + "\n\n" + board.__doc__.split("\n\n", 1)[1].strip(),

@@ -105,3 +105,18 @@ def test_quick_leaderboard_writes_the_markdown_with_its_columns_and_a_png(tmp_pa
     header = "| # | row | " + " | ".join(board.COLUMNS) + " |"
     assert text.count(header) == 2 and text.count("| fednova@deadline |") == 2 and text.count("| fedavg |") == 2
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png.name})" in text
+
+
+def test_a_throttling_column_gets_the_timelines_of_its_deadline_rows(tmp_path: Path) -> None:
+    hot = {"fleet": {"profiles": {"pi4-hot": {"throttle_from_round": 10}, "pi4": {}}}}
+    records = []
+    for row, policy in (("fedavg", "fixed"), ("fednova@deadline", "deadline")):
+        r = record(row, "hot", [0.5, 0.95])
+        r.update(path=f"hot/{row}/seed-0", steps_policy=policy, summary={**r["summary"], **hot})
+        (tmp_path / "runs" / r["path"]).mkdir(parents=True)
+        (tmp_path / "runs" / r["path"] / "timeline.png").write_bytes(b"\x89PNG" + row.encode())
+        records.append(r)
+    md, png = board.write(records, tmp_path / "docs" / "lb.md", tmp_path, title="t", facts=[], description="")
+    [copied] = (tmp_path / "docs").glob("lb-timeline-*.png")
+    assert copied.read_bytes() == b"\x89PNGfednova@deadline" and f"]({copied.name})" in md.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG"

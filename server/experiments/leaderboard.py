@@ -8,11 +8,13 @@ Bytes are what each device's own link carried until the target (its ``bytes_down
 to the one that reached it, summed, over the fleet's devices): not the server's egress.
 
 The plot beside it has one panel per column: accuracy against that column's clock, one line per row (the mean over
-its seeds, cut to the shortest run).
+its seeds, cut to the shortest run). For a column whose fleet has devices that throttle, the timeline of each row with
+the deadline steps policy (seed 0) is copied beside it: the throttled devices' longer compute, then their fewer steps.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -147,21 +149,49 @@ def plot(records: Runs, path: Path) -> Path:
     return path
 
 
-def document(records: Runs, *, title: str, facts: list[str], description: str, plot_name: str) -> str:
+def _throttles(record: dict[str, Any]) -> bool:
+    profiles = (record["summary"].get("fleet") or {}).get("profiles", {})
+    return any(p.get("throttle_from_round") for p in profiles.values())
+
+
+def copy_timelines(records: Runs, runs_dir: Path, path: Path) -> dict[str, list[Path]]:
+    """Per column with throttling devices: its deadline-policy rows' timelines (seed 0), copied beside ``path``."""
+    out: dict[str, list[Path]] = defaultdict(list)
+    for r in records:
+        source = runs_dir / "runs" / r["path"] / "timeline.png"
+        if _throttles(r) and r.get("steps_policy") == "deadline" and r["seed"] == 0 and source.exists():
+            safe = "".join(c if c.isalnum() else "-" for c in f"{r['column']}-{r['algorithm']}").strip("-")
+            target = path.with_name(f"{path.stem}-timeline-{safe}.png")
+            shutil.copyfile(source, target)
+            out[r["column"]].append(target)
+    return out
+
+
+def document(
+    records: Runs, *, title: str, facts: list[str], description: str, plot_name: str,
+    timelines: dict[str, list[Path]] | None = None,
+) -> str:  # fmt: skip
     """The leaderboard's Markdown: the facts of the run (machine, command, date, seeds), then a table per column."""
     parts = [f"# {title}", "", *(f"- {f}" for f in facts), "", description, ""]
     for col, rows in columns(records).items():
         first = next(iter(rows.values()))[0]
         clock = CLOCKS[first.get("mode", "inprocess")][1]
         parts += [f"## {col}: target {first['target'] * 100:g}%, {clock}", "", markdown(column_table(rows)), ""]
+        for png in (timelines or {}).get(col, []):
+            parts += [f"![timeline of {png.stem}: throttled devices' compute, then the steps they are told]"
+                      f"({png.name})", ""]  # fmt: skip
     parts += [f"![accuracy against each column's clock, one line per row]({plot_name})", ""]
     return "\n".join(parts)
 
 
-def write(records: Runs, path: Path, *, title: str, facts: list[str], description: str) -> tuple[Path, Path]:
-    """``path`` (Markdown) and its plot beside it (same name, ``.png``)."""
+def write(
+    records: Runs, path: Path, runs_dir: Path, *, title: str, facts: list[str], description: str
+) -> tuple[Path, Path]:
+    """``path`` (Markdown), its plot beside it (same name, ``.png``) and the throttling columns' timelines."""
     path.parent.mkdir(parents=True, exist_ok=True)
     png = plot(records, path.with_suffix(".png"))
-    text = document(records, title=title, facts=facts, description=description, plot_name=png.name)
+    timelines = copy_timelines(records, runs_dir, path)
+    text = document(records, title=title, facts=facts, description=description, plot_name=png.name,
+                    timelines=timelines)  # fmt: skip
     path.write_text(text)
     return path, png
