@@ -208,12 +208,14 @@ def throttled_file(out_dir: Path, client_id: str) -> Path:
 
 
 def throttling(fleet: Fleet, limits: CpuLimits, out_dir: Path) -> Callable[[int], None]:
-    """The orchestrator's ``on_round``: devices whose profile throttles from this round get their lower quota and
-    report the throttled board's flags."""
+    """The orchestrator's ``on_round``: devices whose profile throttles by this round (a resumed run may start after
+    it) get their lower quota and report the throttled board's flags."""
+    pending = {cid for cids in fleet.throttles().values() for cid in cids}
 
     def at_round(round_: int) -> None:
-        starting = fleet.throttles().get(round_, [])
+        starting = {cid for cid in pending if fleet.by_client[cid].throttled_at(round_)}
         if starting:
+            pending.difference_update(starting)
             limits.update({cid: fleet.by_client[cid].share_at(round_) for cid in starting})
             for cid in starting:
                 throttled_file(out_dir, cid).write_text(f"{EMULATED_THROTTLED:#x}\n")
