@@ -246,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="", help="comma-separated algorithms instead of the suite's four")
     parser.add_argument("--quick", action="store_true", help="digits, 2 rounds, FedAvg and FedNova, three devices (CI)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: benchmarks/results)")
-    parser.add_argument("--runs", default=None, help="the bench runs' directory, resumed (default runs/bench-fleet)")
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help="the bench runs' directory, resumed (default runs/bench-fleet, "
+        f"with --leaderboard runs/bench-{LEADERBOARD_SUITE})",
+    )
     parser.add_argument("--leaderboard", metavar="FILE.md", help=f"run {LEADERBOARD_SUITE} and write its leaderboard")
     parser.add_argument("--seeds", default="", help="with --leaderboard: the seeds of every row instead of the suite's")
     parser.add_argument("--more-seeds", default=None, help="with --leaderboard: the extra seeds (empty: none)")
