@@ -1,4 +1,5 @@
-"""Benchmark: a heterogeneous fleet (issue 14), the bench suite ``fleet-mnist`` on both clocks.
+"""Benchmark: a heterogeneous fleet (issue 14), the bench suite ``fleet-mnist`` on both clocks; and the fleet
+leaderboard (issue 24), the suite ``fleet-noniid``, with ``--leaderboard FILE.md``.
 
 10 clients as 2 pi5, 5 pi4 and 3 pi3 (``edge-server fleet list``), MNIST Dir(0.5), TACO CNN: FedAvg with fixed
 K = 50, FedNova with the deadline steps policy, FedVeca, TACO. In-process, each client is measured alone and the
@@ -14,6 +15,16 @@ The runs go to ``--runs DIR/<mode>`` as ``edge-server bench --suite fleet-mnist 
 plots, timeline.png per run); runs finished there before are kept, not run again.
 
 Quick (CI): digits, 2 rounds, FedAvg and FedNova, in-process, a fleet of one pi5, one pi4 and one pi3.
+
+The leaderboard (docs/leaderboard.md, README "Which algorithm wins on your fleet")::
+
+    python -m benchmarks.fleet --leaderboard docs/leaderboard.md [--runs DIR] [--rounds R] [--algorithms a,b@deadline]
+                               [--seeds 0] [--more-seeds 1,2] [--quick]
+
+runs every column of ``fleet-noniid`` (resumed from ``--runs``, default runs/bench-fleet-noniid) and writes the
+leaderboard with the machine, command, date and seeds, and its plot beside it (FILE.png). Quick (the test): digits, 2
+rounds, FedAvg and FedNova with the deadline policy, the two in-process dataset columns on three devices, no extra
+seeds.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +41,7 @@ from benchmarks.common import machine, machine_line, write_results
 
 NAME = "fleet"
 SUITE = "fleet-mnist"
+LEADERBOARD_SUITE = "fleet-noniid"
 BASELINE, POLICY = "fedavg", "fednova"
 MAX_TIME_RATIO = 0.6
 MAX_ACCURACY_GAP = 0.005
@@ -147,6 +160,52 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def leaderboard(args: argparse.Namespace) -> tuple[Path, Path]:
+    """Run ``fleet-noniid`` (reduced as the flags say) and write the leaderboard and its plot."""
+    from server.experiments import leaderboard as board
+    from server.experiments.runner import run_suite
+    from server.experiments.suites import load_suite
+
+    suite = load_suite(LEADERBOARD_SUITE)
+    if args.quick:
+        suite.variants = [v for v in suite.variants if v.mode is None and v.algorithms is None]
+        for v in suite.variants:
+            v.overrides.pop("data", None)
+        suite.base["data"] = {"dataset": "digits"}
+        suite.base["train"]["batch_size"] = 16
+        suite.use_fleet("pi5:1,pi4:1,pi3:1")
+        suite.more_seeds = []
+    if args.rounds or args.quick:
+        suite.use_rounds(args.rounds or 2)
+    algorithms = args.algorithms or ("fedavg,fednova@deadline" if args.quick else "")
+    if algorithms:
+        suite.algorithms = algorithms.split(",")
+    if args.seeds:
+        suite.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.more_seeds is not None:
+        suite.more_seeds = [int(s) for s in args.more_seeds.split(",") if s]
+    runs_dir = Path(args.runs) if args.runs else Path("runs") / f"bench-{LEADERBOARD_SUITE}"
+    records = run_suite(suite, runs_dir)
+    seeds = "; ".join(f"{row} {','.join(map(str, sorted({r['seed'] for r in records if r['algorithm'] == row})))}"
+                      for row in dict.fromkeys(r["algorithm"] for r in records))  # fmt: skip
+    facts = [
+        machine_line(machine()),
+        f"Command: `{' '.join(['python -m benchmarks.fleet', *sys.argv[1:]])}` (runs in {runs_dir})",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the runs took "
+        f"{sum(r.get('duration_s', 0.0) for r in records) / 60:.0f} min of this machine",
+        f"Seeds per row, over all columns: {seeds}",
+        f"Scaled: {suite.scaled}" if suite.scaled else "",
+    ]
+    return board.write(
+        records,
+        Path(args.leaderboard),
+        runs_dir,
+        title="Which algorithm wins on your fleet: the fleet leaderboard",
+        facts=[f for f in facts if f],
+        description=suite.description + "\n\n" + board.__doc__.split("\n\n", 1)[1].strip(),
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from server.experiments.runner import run_suite
     from server.experiments.suites import load_suite
@@ -187,8 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", default="", help="comma-separated algorithms instead of the suite's four")
     parser.add_argument("--quick", action="store_true", help="digits, 2 rounds, FedAvg and FedNova, three devices (CI)")
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: benchmarks/results)")
-    parser.add_argument("--runs", default=None, help="the bench runs' directory, resumed (default runs/bench-fleet)")
+    parser.add_argument(
+        "--runs",
+        default=None,
+        help="the bench runs' directory, resumed (default runs/bench-fleet, "
+        f"with --leaderboard runs/bench-{LEADERBOARD_SUITE})",
+    )
+    parser.add_argument("--leaderboard", metavar="FILE.md", help=f"run {LEADERBOARD_SUITE} and write its leaderboard")
+    parser.add_argument("--seeds", default="", help="with --leaderboard: the seeds of every row instead of the suite's")
+    parser.add_argument("--more-seeds", default=None, help="with --leaderboard: the extra seeds (empty: none)")
     args = parser.parse_args(argv)
+    if args.leaderboard:
+        md, png = leaderboard(args)
+        print(f"wrote {md} and {png}")
+        return 0
     data = run(args)
     print(markdown(data))
     return 0

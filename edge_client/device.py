@@ -90,6 +90,10 @@ THROTTLE_BITS: dict[int, str] = {
     19: "soft_temp_limit_occurred",
 }
 
+#: A simulated device's stand-in for ``vcgencmd get_throttled``: a file holding the value (``0xe000e``) that its
+#: simulator (server.experiments.simulate) writes when the device's CPU quota drops; absent: not throttled.
+EMULATED_ENV = "EDGEFL_THROTTLED_FILE"
+
 _UNKNOWN = object()
 #: path of ``vcgencmd``, None when absent (or when it failed once), ``_UNKNOWN`` until first looked up
 _vcgencmd: Any = _UNKNOWN
@@ -116,12 +120,22 @@ def decode_throttled(value: int | str | None) -> list[str]:
 
 
 def throttled_flags() -> int | None:
-    """Raspberry Pi ``vcgencmd get_throttled`` bits (see THROTTLE_BITS), None when there is no ``vcgencmd``.
+    """Raspberry Pi ``vcgencmd get_throttled`` bits (see THROTTLE_BITS), None when there is no ``vcgencmd``; a
+    simulated device's from its ``EMULATED_ENV`` file.
 
     A ``vcgencmd`` that fails (e.g. no access to ``/dev/vcio`` under systemd's ``PrivateDevices=yes``) is not run
     again in this process, so every later snapshot stays cheap.
     """
     global _vcgencmd
+    emulated = os.environ.get(EMULATED_ENV)
+    if emulated:
+        try:
+            return int(Path(emulated).read_text().strip() or "0", 0)
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            log.warning("%s=%s unreadable (%s); throttling flags are not reported", EMULATED_ENV, emulated, exc)
+            return None
     binary = vcgencmd_path()
     if not binary:
         return None

@@ -97,10 +97,12 @@ class EdgeClient:
         allowed: AllowedCode = NOTHING,
         model_wait_s: float = DEFAULT_WAIT_S,
         device_class: str | None = None,
+        snapshot: Callable[[], dict[str, Any]] = device.snapshot,
     ) -> None:
         """``holdout``: the split this device evaluates the global model on (never trained on); ``allowed``: where a
         model or task factory the server names may be imported from (``edge_client.factories``); ``model_wait_s``: how
-        long an assignment waits for its round's model before the server is asked for it."""
+        long an assignment waits for its round's model before the server is asked for it; ``snapshot``: the device's
+        metrics around training (a simulated device's differ from this machine's: its throttling flags)."""
         self.client_id = validate_client_id(client_id)
         self.device_class = device_class  # e.g. "pi4": said in the hello, so the server reports per device class
         self.dataset = dataset
@@ -111,6 +113,7 @@ class EdgeClient:
         self.threads = threads
         self.state_dir = state_dir
         self.train = train
+        self.snapshot = snapshot
         self.rounds_done = 0
         self.once = False  # run(once=True): leave after the first run that ends
         self.session = Session()  # the current run, unanswered reports, whether to ask for the assignment
@@ -416,14 +419,14 @@ class EdgeClient:
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         bytes_down += self.link.take_bytes_in(self.topics.round_model)
-        before = device.snapshot()
+        before = self.snapshot()
         try:
             result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
             log.exception("round %d: local training failed", assignment.round)
             self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
             return
-        after = device.snapshot()
+        after = self.snapshot()
         if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
             self._save_state(assignment.algorithm, algorithm)
             report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,

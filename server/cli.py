@@ -306,8 +306,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         suite.seeds = [int(s) for s in args.seeds.split(",")]
     if args.algorithms:
         suite.algorithms = [a for a in args.algorithms.split(",") if a]
+    if args.more_seeds is not None:
+        suite.more_seeds = [int(s) for s in args.more_seeds.split(",") if s]
     if args.fleet:
         suite.use_fleet(args.fleet)
+    if args.rounds:
+        suite.use_rounds(args.rounds)
     out_dir = Path(args.out or f"runs/bench-{suite.name}")
     _setup_logging(out_dir, args.verbose, log_name="bench.log")
     run_suite(suite, out_dir, args.mode)
@@ -486,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", help="comma-separated seeds instead of the suite's")
     bench.add_argument("--algorithms", help="comma-separated algorithms instead of the suite's")
     bench.add_argument("--fleet", help=f"instead of the suite's fleet: {FLEET_HELP}")
+    bench.add_argument(
+        "--more-seeds", help="comma-separated extra seeds for the suite's more_seeds_for rows (empty: none)"
+    )
+    bench.add_argument("--rounds", type=int, help="rounds of every run instead of the suite's (a quick check)")
     bench.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     bench.set_defaults(func=cmd_bench)
 

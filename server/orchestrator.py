@@ -188,6 +188,7 @@ class Orchestrator:
         self.steps_policy = StepsPolicy(config.train, self.strategy.contract, self.times)
         self.reports = ComputeReports()  # what clients told to train without uploading spent
         self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
+        self.on_round: Callable[[int], None] | None = None  # before each round's assignments (a simulated fleet's)
         t = config.train  # compression: each device's upload codec (the round model's codec: self.distribution)
         self.codecs = CodecPolicy(t.codec, t.codec_policy, t.upload_budget_s, t.codec_ladder, self.strategy.contract,
                                   self.num_params)  # fmt: skip
@@ -592,6 +593,8 @@ class Orchestrator:
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
+            if self.on_round is not None:
+                self.on_round(round_)
             t0 = time.monotonic()
             told, predictions = self._assign(round_, version, weights)
             state = self.current

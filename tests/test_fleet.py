@@ -24,7 +24,7 @@ from fakes import FakeDevice, zero_update
 from edge_client.algorithms import CONTRACTS
 from edge_client.protocol import Assignment, ComputeReport, DuplicateMessage, OutOfRound, encode
 from edge_client.topics import Topics
-from edge_client.trainer import TrainResult
+from edge_client.trainer import Plan, TrainResult
 from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
@@ -277,8 +277,104 @@ def test_slowed_divides_the_measured_cpu_seconds_by_the_share() -> None:
     def measured(*_: Any) -> TrainResult:
         return TrainResult(np.zeros(1, np.float32), 10, 0.3, 0.2, 0.0)
 
-    result = slowed(measured, 0.1)(*[None] * 6)  # type: ignore[arg-type]
+    plan = Plan(steps=10, lr=0.1, batch_size=8, round=1)
+    result = slowed(measured, replace(SHIPPED["pi4"], cpu_share=0.1))(None, None, None, None, plan, None)  # type: ignore[arg-type]
     assert (result.compute_s, result.cpu_s) == pytest.approx((2.0, 2.0))  # CPU seconds: what contention cannot inflate
+
+
+def test_a_throttling_profile_is_a_pi4_whose_share_drops_from_a_round_on() -> None:
+    config = from_dict({"fleet": {"devices": "pi4-hot:2,pi4:1", "profiles": {"pi4-hot": {
+        "like": "pi4", "throttle_from_round": 10, "throttle_share": 0.5}}}})  # fmt: skip
+    fleet = Fleet.of(config.fleet.devices, client_ids(3), config.fleet.profiles)
+    hot = fleet.by_client["client-00"]
+    assert (hot.cpu_share, hot.uplink_mbps) == (SHIPPED["pi4"].cpu_share, SHIPPED["pi4"].uplink_mbps)
+    assert [hot.share_at(r) for r in (9, 10, 30)] == pytest.approx(
+        [hot.cpu_share, hot.cpu_share / 2, hot.cpu_share / 2]
+    )
+    assert fleet.shares(10)["client-02"] == SHIPPED["pi4"].cpu_share and fleet.throttles() == {
+        10: ["client-00", "client-01"]}  # fmt: skip
+    assert fleet.describe()["profiles"]["pi4-hot"]["throttle_from_round"] == 10
+    for table, match in (({"like": "pi9"}, "like = 'pi9' is not a profile"),
+                         ({"like": "pi4", "throttle_share": 1.5}, "throttle_share must be a fraction in"),
+                         ({"like": "pi4", "throttle_from_round": -1}, "throttle_from_round must be a round >= 1"),
+                         ({"throttle_from_round": 3}, "cpu_share must be a number > 0")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"\[fleet.profiles.hot\]: {match}"):
+            from_dict({"fleet": {"profiles": {"hot": table}}})
+
+
+def _throttle_run(tmp_path: Path, hot_from: int) -> str:
+    """A run configuration of two clients on digits, FedNova with the deadline steps policy; ``client-00`` drops to a
+    tenth of its share from round ``hot_from`` on."""
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+[run]
+rounds = {hot_from + 1}
+[clients]
+register_timeout_s = 120.0
+[data]
+dataset = "digits"
+[train]
+algorithm = "fednova"
+local_steps = 100
+batch_size = 64
+steps_policy = "deadline"
+round_budget_s = 1.0
+tau_min = 1
+tau_max = 300
+[algorithm.fednova]
+local_steps_mode = "fixed"
+[fleet]
+devices = "hot:1,cool:1"
+[fleet.profiles.hot]
+cpu_share = 0.5
+uplink_mbps = 1000
+downlink_mbps = 1000
+throttle_from_round = {hot_from}
+throttle_share = 0.1
+[fleet.profiles.cool]
+like = "hot"
+throttle_from_round = 0
+""")
+    return str(path)
+
+
+def _assert_throttled(rows: list[dict[str, Any]], hot_from: int) -> None:
+    """The hot device's measured seconds per step rise about 10x from ``hot_from`` on, its flags say it is throttled
+    (and not before), and the deadline policy tells it fewer steps the round after."""
+    hot = [r["clients"]["client-00"] for r in rows]
+    per_step = [c["compute_s"] / c["local_steps"] for c in hot]
+    before, after = per_step[hot_from - 2], per_step[hot_from - 1]
+    assert after > 2.5 * before, per_step  # a 10x drop in CPU share, with ample room for this machine's noise
+    flags = [c["device"]["round"]["throttled_flags"] or [] for c in hot]
+    assert all("throttled" not in f for f in flags[: hot_from - 1]), flags
+    assert all({"throttled", "soft_temp_limit", "throttled_occurred"} <= set(f) for f in flags[hot_from - 1 :]), flags
+    told = [r["instructions"]["client-00"]["local_steps"] for r in rows]
+    assert told[hot_from] < 0.5 * told[hot_from - 1], told  # adapted in the round after the drop
+    cool = [r["instructions"]["client-01"]["local_steps"] for r in rows]
+    assert cool[hot_from] > 0.5 * cool[hot_from - 1], cool  # the other device keeps its steps
+
+
+def test_a_throttling_device_in_process_reports_its_flags_and_is_told_fewer_steps(tmp_path: Path) -> None:
+    config = load_config(_throttle_run(tmp_path, 2))
+    config = replace(config, run=replace(config.run, out=str(tmp_path), job="hot"))
+    bundle = load_dataset("digits")
+    shards, _ = prepare_shards(bundle, client_ids(2), "iid", 0, tmp_path / "shards")
+    run_inprocess(config, shards, bundle, tmp_path)
+    _assert_throttled([json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], 2)
+
+
+@pytest.mark.integration
+def test_a_throttling_device_under_a_cgroup_quota_slows_down_and_is_told_fewer_steps(tmp_path: Path) -> None:
+    """`edge-server simulate` with a device whose cgroup quota drops to a tenth from round 2: the kernel's cap is seen
+    in the compute the device measures, in its throttling flags (its emulated vcgencmd) and in the steps it is told."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "server.cli", "simulate", "--config", _throttle_run(tmp_path, 2), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    limits = json.loads((out / "summary.json").read_text())["fleet"]["cpu_limits"]
+    if not limits.startswith("cgroup v"):
+        (pytest.fail if in_ci() else pytest.skip)(limits)
+    _assert_throttled([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], 2)
 
 
 def test_an_inprocess_fleet_keeps_the_parallel_clock_and_draws_the_timeline(tmp_path: Path) -> None:

@@ -209,6 +209,14 @@ class CpuLimits:
                 self._set(cid, share)
             log.info("%s: %s", self.describe(), ", ".join(f"{c} {s:.3f} core" for c, s in self.shares.items()))
 
+    def update(self, shares: dict[str, float]) -> None:
+        """New quotas for these clients from now on (a device that starts throttling)."""
+        self.shares.update(shares)
+        if self.enforced:
+            for cid, share in shares.items():
+                self._set(cid, share)
+            log.info("CPU quotas now: %s", ", ".join(f"{c} {s:.3f} core" for c, s in shares.items()))
+
     def _unenforced(self, reason: str) -> CpuLimits:
         self.enforced, self.reason = False, f"cgroups cannot be written here ({reason})"
         log.warning("%s: %s", self.reason, FALLBACK)

@@ -13,10 +13,22 @@ estimates. ``[fleet.profiles.NAME]`` tables in a configuration add profiles or r
 
 A fleet is written ``pi5:2,pi4:5,pi3:3`` (``--fleet``, ``[fleet] devices``): classes in client order, so
 ``client-00`` and ``client-01`` are the two ``pi5`` here.
+
+Speeds that change: a profile may throttle, as a Pi 4 in the sun does (its firmware caps the clock at the soft
+temperature limit). From round ``throttle_from_round`` on, its CPU share is ``throttle_share`` of its own
+(``cpu.max`` lowered in broker mode, the CPU seconds divided by the lower share in-process), and the device reports
+the Raspberry Pi flags a throttled board reports (``EMULATED_THROTTLED``, what ``vcgencmd get_throttled`` says then).
+``like = "pi4"`` takes every key not given from another profile, so a throttling Pi 4 is three lines::
+
+    [fleet.profiles.pi4-hot]
+    like = "pi4"
+    throttle_from_round = 10
+    throttle_share = 0.5
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -26,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_client import device
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
@@ -42,7 +55,10 @@ REFERENCE_SOURCE = (
 )
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-_PROFILE_KEYS = {"cpu_share", "uplink_mbps", "downlink_mbps", "source"}
+_PROFILE_KEYS = {"cpu_share", "uplink_mbps", "downlink_mbps", "source", "like", "throttle_from_round", "throttle_share"}
+#: What a throttled board's ``vcgencmd get_throttled`` says (edge_client.device.THROTTLE_BITS): frequency capped,
+#: throttled and at the soft temperature limit now (bits 1-3), and each "has occurred" since boot (bits 17-19).
+EMULATED_THROTTLED = 0xE000E
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,16 @@ class DeviceProfile:
     uplink_mbps: float
     downlink_mbps: float
     source: str
+    throttle_from_round: int = 0  # 0: never throttles
+    throttle_share: float = 1.0  # the fraction of cpu_share left once throttled
+
+    def throttled_at(self, round_: int) -> bool:
+        """Whether the device is throttled in this round (1-based)."""
+        return 0 < self.throttle_from_round <= round_
+
+    def share_at(self, round_: int) -> float:
+        """Its CPU share of one core of this machine in this round."""
+        return self.cpu_share * self.throttle_share if self.throttled_at(round_) else self.cpu_share
 
     def transfer_s(self, bytes_down: int, bytes_up: int) -> tuple[float, float]:
         """Seconds to download and to upload that many bytes at this class's link rates."""
@@ -94,29 +120,45 @@ SHIPPED: dict[str, DeviceProfile] = {
 }  # fmt: skip
 
 
-def profile_from_table(name: str, table: Mapping[str, Any]) -> DeviceProfile:
-    """A ``[fleet.profiles.NAME]`` table as a profile; ValueError names the key and what it must be."""
+def profile_from_table(name: str, table: Mapping[str, Any], known: Mapping[str, DeviceProfile]) -> DeviceProfile:
+    """A ``[fleet.profiles.NAME]`` table as a profile (keys it leaves out from its ``like`` profile among ``known``);
+    ValueError names the key and what it must be."""
     where = f"[fleet.profiles.{name}]"
     if not _NAME_RE.fullmatch(name):
         raise ValueError(f"{where}: a profile name is lower-case letters, digits, '-' or '_' (at most 32)")
     unknown = sorted(set(table) - _PROFILE_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(_PROFILE_KEYS))}")
+    base: dict[str, Any] = {}
+    if "like" in table:
+        like = table["like"]
+        if like not in known:
+            raise ValueError(f"{where}: like = {like!r} is not a profile; known: {', '.join(sorted(known))}")
+        base = dataclasses.asdict(known[like])
+        base["source"] = f"like {like} ({base['source']})"
+    merged = {**base, **{k: v for k, v in table.items() if k != "like"}}
     values: dict[str, float] = {}
     for key in ("cpu_share", "uplink_mbps", "downlink_mbps"):
-        v = table.get(key)
+        v = merged.get(key)
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-            raise ValueError(f"{where}: {key} must be a number > 0; got {v!r}")
+            raise ValueError(f'{where}: {key} must be a number > 0 (or like = "pi4" to take it from pi4); got {v!r}')
         values[key] = float(v)
     if values["cpu_share"] > 1.0:
         raise ValueError(
             f"{where}: cpu_share must be at most 1 (one core of this machine: a client trains on one thread); got "
             f"{values['cpu_share']!r}"
         )
-    source = table.get("source", "user profile")
+    source = merged.get("source", "user profile")
     if not isinstance(source, str):
         raise ValueError(f"{where}: source must be a string (where the numbers come from)")
-    return DeviceProfile(name, values["cpu_share"], values["uplink_mbps"], values["downlink_mbps"], source)
+    start = merged.get("throttle_from_round", 0)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"{where}: throttle_from_round must be a round >= 1 (0: never throttles); got {start!r}")
+    fraction = merged.get("throttle_share", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+        raise ValueError(f"{where}: throttle_share must be a fraction in (0, 1] of cpu_share; got {fraction!r}")
+    return DeviceProfile(name, values["cpu_share"], values["uplink_mbps"], values["downlink_mbps"], source,
+                         start, float(fraction))  # fmt: skip
 
 
 def profiles(user: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, DeviceProfile]:
@@ -125,7 +167,7 @@ def profiles(user: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, D
     for name, table in (user or {}).items():
         if not isinstance(table, Mapping):
             raise ValueError(f"[fleet.profiles.{name}] must be a table of cpu_share, uplink_mbps, downlink_mbps")
-        out[name] = profile_from_table(name, table)
+        out[name] = profile_from_table(name, table, out)
     return out
 
 
@@ -164,9 +206,17 @@ class Fleet:
         """Cores of this machine the whole fleet's quotas add up to."""
         return sum(p.cpu_share for p in self.by_client.values())
 
-    def shares(self) -> dict[str, float]:
-        """Each client's CPU share (its cgroup quota, in cores)."""
-        return {cid: p.cpu_share for cid, p in self.by_client.items()}
+    def shares(self, round_: int = 1) -> dict[str, float]:
+        """Each client's CPU share in this round (its cgroup quota, in cores)."""
+        return {cid: p.share_at(round_) for cid, p in self.by_client.items()}
+
+    def throttles(self) -> dict[int, list[str]]:
+        """The clients that start throttling, by the round they do."""
+        out: dict[int, list[str]] = {}
+        for cid, p in self.by_client.items():
+            if p.throttle_from_round:
+                out.setdefault(p.throttle_from_round, []).append(cid)
+        return out
 
     def describe(self) -> dict[str, Any]:
         """The fleet for summary.json: the spec and each class's profile as used."""
@@ -174,7 +224,9 @@ class Fleet:
         return {
             "spec": self.spec,
             "profiles": {n: {"cpu_share": p.cpu_share, "uplink_mbps": p.uplink_mbps,
-                             "downlink_mbps": p.downlink_mbps, "source": p.source} for n, p in used.items()},
+                             "downlink_mbps": p.downlink_mbps, "source": p.source,
+                             **({"throttle_from_round": p.throttle_from_round, "throttle_share": p.throttle_share}
+                                if p.throttle_from_round else {})} for n, p in used.items()},
         }  # fmt: skip
 
 
@@ -188,22 +240,41 @@ def fleet_size(spec: str, user: Mapping[str, Mapping[str, Any]] | None = None) -
     return sum(count for _, count in parse_fleet(spec, profiles(user)))
 
 
-def slowed(train: TrainFn, share: float) -> TrainFn:
-    """In-process: ``train`` whose reported compute and CPU seconds are what a device with ``share`` of one core of
-    this machine would have spent: the CPU seconds measured here divided by the share (CPU seconds, not wall time, so
+def slowed(train: TrainFn, profile: DeviceProfile, facts: DeviceFacts | None = None) -> TrainFn:
+    """In-process: ``train`` whose reported compute and CPU seconds are what a device of ``profile`` would have spent
+    in the plan's round: the CPU seconds measured here divided by its share then (CPU seconds, not wall time, so
     other work on this machine does not slow the simulated device; shares are calibrated on CPU seconds too). These
-    are the device seconds the server and the parallel clock work with."""
+    are the device seconds the server and the parallel clock work with. ``facts`` learns the round, so the device's
+    metrics say when it is throttled."""
 
     def run(
         flat: FlatModel, weights: np.ndarray, data: ArrayDataset, sampler: BatchSampler, plan: Plan,
         algorithm: ClientAlgorithm,
     ) -> TrainResult:  # fmt: skip
+        if facts is not None:
+            facts.round = plan.round
         result = train(flat, weights, data, sampler, plan, algorithm)
-        result.cpu_s /= share
+        result.cpu_s /= profile.share_at(plan.round)
         result.compute_s = result.cpu_s
         return result
 
     return run
+
+
+@dataclass
+class DeviceFacts:
+    """In-process: one simulated device's metrics snapshot (``EdgeClient(snapshot=...)``), this machine's except the
+    Raspberry Pi throttling flags, which say what its profile does in the round it is training."""
+
+    profile: DeviceProfile
+    round: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = device.snapshot()
+        if self.profile.throttled_at(self.round):
+            snap["throttled"] = EMULATED_THROTTLED
+            snap["throttled_flags"] = device.decode_throttled(EMULATED_THROTTLED)
+        return snap
 
 
 def calibrated(

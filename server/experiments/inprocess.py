@@ -37,7 +37,7 @@ from server.config import RunConfig
 from server.deadlines import DeviceTimes
 from server.experiments.attacks import behaviour
 from server.experiments.datasets import DatasetBundle
-from server.experiments.fleet import Fleet, fleet_of, slowed
+from server.experiments.fleet import DeviceFacts, Fleet, fleet_of, slowed
 from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver
 
@@ -171,6 +171,7 @@ def run_inprocess(
     state_dirs = client_state_dirs(out_dir, ids)
     for cid, shard in zip(ids, shards, strict=True):
         train = behaviour(roles[cid], cid)
+        facts = DeviceFacts(profiles[cid]) if cid in profiles else None
         data, holdout = load_local_data(shard), None
         if config.eval.holdout:  # as edge-client run --holdout with --holdout-seed = the run's seed
             data, holdout = split_holdout(data, config.eval.holdout, config.run.seed, cid)
@@ -182,8 +183,9 @@ def run_inprocess(
             threads=config.clients.threads,
             state_dir=state_dirs[cid],
             link_factory=bus.connect,
-            train=slowed(train, profiles[cid].cpu_share) if cid in profiles else train,
+            train=slowed(train, profiles[cid], facts) if facts else train,
             device_class=profiles[cid].name if cid in profiles else None,
+            **({"snapshot": facts.snapshot} if facts else {}),
             holdout=holdout,
             allowed=AllowedCode(packages=factory_modules(config.model, config.task)),  # the run's own code
             model_wait_s=0.0,  # nothing is in flight in-process: a model not here at its assignment was missed

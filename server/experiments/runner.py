@@ -3,7 +3,9 @@
 Every algorithm of a column trains on the identical partition with the identical seeds; only the algorithm differs.
 Runs go one after another, in-process by default (clients one after another, compute times free of contention) or
 over a broker with one process per client (``--mode broker``, what devices do). A finished run is not run again when
-the bench is restarted with the same output directory, so a long suite can be resumed.
+the bench is restarted with the same output directory, so a long suite can be resumed. A variant may run in its own
+mode (one mosquitto is started when the first broker-mode run needs it); rows chosen by a ranking (``best:N``) run
+once every other run is done.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from edge_client.transport import LinkConfig
 from server.assembly import split_clients
@@ -34,18 +35,25 @@ log = logging.getLogger("edgefl.bench")
 BrokerLogins = tuple[LinkConfig, dict[str, ClientLogin]]
 
 
-@contextlib.contextmanager
-def _broker(out_dir: Path, mode: str, clients: int) -> Iterator[BrokerLogins | None]:
-    """One mosquitto for the whole bench in broker mode (each run has its own job, so topics never mix)."""
-    if mode != "broker":
-        yield None
-        return
-    from server.broker import Broker, BrokerSettings
+class _Brokers:
+    """One mosquitto for the whole bench, started when the first broker-mode run needs it (each run has its own job,
+    so topics never mix)."""
 
-    ids = client_ids(clients)
-    with Broker(out_dir / "broker", BrokerSettings(devices=ids)).start() as broker:
-        logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
-        yield LinkConfig(broker.url, broker.server.username, broker.server.password), logins
+    def __init__(self, out_dir: Path, clients: int, stack: contextlib.ExitStack) -> None:
+        self.out_dir, self.clients, self.stack = out_dir, clients, stack
+        self.logins: BrokerLogins | None = None
+
+    def for_mode(self, mode: str) -> BrokerLogins | None:
+        if mode != "broker":
+            return None
+        if self.logins is None:
+            from server.broker import Broker, BrokerSettings
+
+            ids = client_ids(self.clients)
+            broker = self.stack.enter_context(Broker(self.out_dir / "broker", BrokerSettings(devices=ids)).start())
+            logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
+            self.logins = LinkConfig(broker.url, broker.server.username, broker.server.password), logins
+        return self.logins
 
 
 def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerLogins | None) -> dict[str, Any]:
@@ -54,7 +62,7 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
     bundle, root = split_clients(config, bundle)  # drag-br's root samples are held by no client
     ids = client_ids(config.clients.count)
     shards, _ = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
-    extra = {"bench_column": spec.column, "variant": spec.variant}
+    extra = {"bench_column": spec.column, "variant": spec.variant, "bench_row": spec.algorithm}
     if broker is None:
         summary = run_inprocess(config, shards, bundle, out_dir, root=root, extra=extra)
     else:
@@ -71,6 +79,8 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "algorithm": spec.algorithm,
         "seed": spec.seed,
         "path": spec.path,
+        "mode": spec.mode,
+        "steps_policy": config.train.steps_policy,
         "params": config.algorithm_params(),
         "summary": summary,
         "curve": [
@@ -80,6 +90,7 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
                 "elapsed_s": r["elapsed_s"],
                 "parallel_elapsed_s": r.get("parallel_elapsed_s"),
                 "slowest_compute_s": r["slowest_compute_s"],
+                "device_bytes": _device_bytes(r),
                 **_fleet_compute(r, lazy),
                 **round_alphas(r),
             }
@@ -97,6 +108,12 @@ def round_alphas(row: dict[str, Any]) -> dict[str, Any]:
     return {"alpha": {cid: alpha[cid] for cid in row["clients"] if cid in alpha}}
 
 
+def _device_bytes(row: dict[str, Any]) -> dict[str, int]:
+    """Per client that reported: the bytes its own link carried this round, down (``bytes_down``: what the device
+    received) and up (its update)."""
+    return {cid: c["bytes_down"] + c["bytes_up"] for cid, c in row["clients"].items()}
+
+
 def _fleet_compute(row: dict[str, Any], lazy: set[str]) -> dict[str, float]:
     """A round's compute and local steps over honest clients, those that trained without uploading included."""
     done = [c for cid, c in row["clients"].items() if cid not in lazy]
@@ -104,48 +121,88 @@ def _fleet_compute(row: dict[str, Any], lazy: set[str]) -> dict[str, float]:
     return {"compute_s": sum(c["compute_s"] for c in done), "local_steps": sum(c["local_steps"] for c in done)}
 
 
+def rank(records: list[dict[str, Any]], column: str) -> list[str]:
+    """The rows of ``column`` (first seed of each), soonest to their target first (parallel clock in-process, wall
+    clock over a broker); those that never reached it after, by final accuracy."""
+
+    def key(r: dict[str, Any]) -> tuple[float, float]:
+        clock = "parallel_elapsed_s" if r["mode"] == "inprocess" else "elapsed_s"
+        t = next((p[clock] for p in r["curve"] if p["accuracy"] >= r["target"]), None)
+        return (t if t is not None else float("inf"), -r["summary"]["final_accuracy"])
+
+    first: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r["column"] == column:
+            first.setdefault(r["algorithm"], r)
+    return sorted(first, key=lambda row: key(first[row]))
+
+
 def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Console | None = None) -> list[dict]:
-    """Run (or resume) every cell of the suite, then write the tables and plots; returns the run records."""
-    mode = mode or suite.mode
+    """Run (or resume) every cell of the suite, then write the tables and plots; returns the run records. ``mode``
+    (``bench --mode``) overrides the suite's and its variants'. Runs that depend on the ranking (``best:N``) come
+    after all others."""
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = suite.runs()
-    datasets: dict[tuple[str, int], DatasetBundle] = {}
-    records: list[dict[str, Any]] = []
+    specs = suite.runs(mode=mode)
+    records: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    most_clients = max(s.config.clients.count for s in specs)
     columns = [
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     ]
-    with _broker(out_dir, mode, most_clients) as broker, Progress(*columns, console=console) as progress:
+    with contextlib.ExitStack() as stack, Progress(*columns, console=console) as progress:
+        brokers = _Brokers(out_dir, max(s.config.clients.count for s in specs), stack)
         task = progress.add_task(f"bench {suite.name}", total=len(specs))
-        for i, spec in enumerate(specs, 1):
-            run_dir = out_dir / "runs" / spec.path
-            done_file = run_dir / "record.json"
-            if done_file.exists():
-                records.append(json.loads(done_file.read_text()))
-                progress.console.print(f"run {i}/{len(specs)} {spec.path}: done before, kept")
-                progress.advance(task)
-                continue
-            progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
-            key = (spec.config.data.dataset, spec.seed)
-            if key not in datasets:
-                datasets[key] = load_dataset(spec.config.data.dataset, seed=spec.seed)
-            t0 = time.monotonic()
-            record = run_one(spec, datasets[key], run_dir, broker)
-            record["mode"], record["duration_s"] = mode, time.monotonic() - t0
-            done_file.write_text(json.dumps(record) + "\n")
-            records.append(record)
-            s = record["summary"]
-            reached = f"target in round {s['rounds_to_target']}" if s["rounds_to_target"] else "target not reached"
-            progress.console.print(
-                f"run {i}/{len(specs)} {spec.algorithm:<13} {spec.column:<22} seed {spec.seed}: "
-                f"accuracy {s['final_accuracy']:.4f} after {s['rounds']} rounds, {reached}, "
-                f"{time.monotonic() - t0:.0f} s"
-            )
+        datasets: dict[tuple[str, int], DatasetBundle] = {}
+        _run_specs(specs, out_dir, brokers, datasets, records, progress, task)
+        if suite.ranked():
+            ranking = rank(list(records.values()), suite.ranking_column())
+            progress.console.print(f"ranking of {suite.ranking_column()}: {', '.join(ranking)}")
+            more = [s for s in suite.runs(ranking, mode) if s.path not in records]
+            progress.update(task, total=len(specs) + len(more))
+            _run_specs(more, out_dir, brokers, datasets, records, progress, task)
+    done = list(records.values())
+    write_report(suite, done, out_dir, mode=mode or suite.mode, duration_s=time.monotonic() - started)
+    return done
+
+
+def _run_specs(
+    specs: list[RunSpec],
+    out_dir: Path,
+    brokers: _Brokers,
+    datasets: dict[tuple[str, int], DatasetBundle],
+    records: dict[str, dict[str, Any]],
+    progress: Progress,
+    task: TaskID,
+) -> None:
+    """Run each spec not finished before (its record.json kept), adding every record to ``records`` by path, with
+    the target its column has in the suite now (the tables read it from the curves, so it may change after the runs)."""
+    total = progress.tasks[task].total
+    for spec in specs:
+        i = len(records) + 1
+        run_dir = out_dir / "runs" / spec.path
+        done_file = run_dir / "record.json"
+        if done_file.exists():
+            records[spec.path] = {**json.loads(done_file.read_text()), "target": spec.config.run.target_accuracy}
+            progress.console.print(f"run {i}/{total} {spec.path}: done before, kept")
             progress.advance(task)
-    write_report(suite, records, out_dir, mode=mode, duration_s=time.monotonic() - started)
-    return records
+            continue
+        progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
+        key = (spec.config.data.dataset, spec.seed)
+        if key not in datasets:
+            datasets[key] = load_dataset(spec.config.data.dataset, seed=spec.seed)
+        t0 = time.monotonic()
+        record = run_one(spec, datasets[key], run_dir, brokers.for_mode(spec.mode))
+        record["duration_s"] = time.monotonic() - t0
+        done_file.write_text(json.dumps(record) + "\n")
+        records[spec.path] = {**record, "target": spec.config.run.target_accuracy}  # the suite's, now: it may change
+        s = record["summary"]
+        reached = f"target in round {s['rounds_to_target']}" if s["rounds_to_target"] else "target not reached"
+        progress.console.print(
+            f"run {i}/{total} {spec.algorithm:<16} {spec.column:<22} seed {spec.seed} ({spec.mode}): "
+            f"accuracy {s['final_accuracy']:.4f} after {s['rounds']} rounds, {reached}, "
+            f"{time.monotonic() - t0:.0f} s"
+        )
+        progress.advance(task)

@@ -17,12 +17,14 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edge_client.device import EMULATED_ENV
 from edge_client.factories import factory_modules
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
@@ -36,7 +38,7 @@ from server.experiments.datasets import (
     partition_bundle,
     write_shards,
 )
-from server.experiments.fleet import fleet_of
+from server.experiments.fleet import EMULATED_THROTTLED, Fleet, fleet_of
 from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
@@ -181,6 +183,7 @@ def start_clients(
             cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
         if fleet:
             cmd += ["--device-class", fleet.by_client[cid].name]
+        throttles = fleet is not None and fleet.by_client[cid].throttle_from_round > 0
         cmd += code_flags
         env = {
             **os.environ,
@@ -189,6 +192,7 @@ def start_clients(
             "OMP_NUM_THREADS": threads,
             "MKL_NUM_THREADS": threads,
             "PYTHONUNBUFFERED": "1",
+            **({EMULATED_ENV: str(throttled_file(out_dir, cid))} if throttles else {}),
         }
         with (log_dir / f"{cid}.log").open("w") as fh:
             procs[cid] = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -196,6 +200,27 @@ def start_clients(
             limits.place(cid, procs[cid].pid)
     log.info("started %d client processes; their logs are in %s", len(procs), log_dir)
     return procs
+
+
+def throttled_file(out_dir: Path, client_id: str) -> Path:
+    """Where a simulated device that throttles reads its ``vcgencmd get_throttled`` value."""
+    return out_dir / "clients" / f"{client_id}.throttled"
+
+
+def throttling(fleet: Fleet, limits: CpuLimits, out_dir: Path) -> Callable[[int], None]:
+    """The orchestrator's ``on_round``: devices whose profile throttles by this round (a resumed run may start after
+    it) get their lower quota and report the throttled board's flags."""
+    pending = {cid for cids in fleet.throttles().values() for cid in cids}
+
+    def at_round(round_: int) -> None:
+        starting = {cid for cid in pending if fleet.by_client[cid].throttled_at(round_)}
+        if starting:
+            pending.difference_update(starting)
+            limits.update({cid: fleet.by_client[cid].share_at(round_) for cid in starting})
+            for cid in starting:
+                throttled_file(out_dir, cid).write_text(f"{EMULATED_THROTTLED:#x}\n")
+
+    return at_round
 
 
 def stop_clients(procs: dict[str, subprocess.Popen], timeout: float = 30.0) -> dict[str, int]:
@@ -248,8 +273,9 @@ def run_processes(
                 observer=observer,
                 extra={"mode": "broker", **roles_summary(config), **fleet_facts, **(extra or {})},
             )
-            if limits is not None:
+            if limits is not None and fleet is not None:
                 orchestrator.on_ready = limits.enforce
+                orchestrator.on_round = throttling(fleet, limits, out_dir)
             summary = orchestrator.run()
             finished = True
         finally:  # after a failure no stop message went out: do not wait for the clients
