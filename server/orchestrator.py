@@ -45,27 +45,23 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
-from edge_client.protocol import (
-    MAX_HEADER_BYTES,
+from edge_client.messages import (
     ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
     Hello,
-    InvalidField,
     Message,
-    MessageTooLarge,
     ModelFile,
     ModelRequest,
     Presence,
-    ProtocolError,
     Refusal,
     Resync,
     Stop,
     Update,
-    encode,
 )
+from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
+from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, MessageTooLarge, ProtocolError, encode
 from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink

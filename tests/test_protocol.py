@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from edge_client import codecs
+from edge_client import messages as M
 from edge_client import protocol as P
 
 V = P.PROTOCOL_VERSION
 
 
-def _assignment(**kw: Any) -> P.Assignment:
+def _assignment(**kw: Any) -> M.Assignment:
     args: dict[str, Any] = dict(
         round=3,
         model_version=2,
@@ -38,10 +39,10 @@ def _assignment(**kw: Any) -> P.Assignment:
         run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
-    return P.Assignment(**args)
+    return M.Assignment(**args)
 
 
-def _update(**kw: Any) -> P.Update:
+def _update(**kw: Any) -> M.Update:
     args: dict[str, Any] = dict(
         round=3,
         model_version=2,
@@ -58,13 +59,13 @@ def _update(**kw: Any) -> P.Update:
         run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
-    return P.Update(**args)
+    return M.Update(**args)
 
 
-def _global_model(**kw: Any) -> P.GlobalModel:
+def _global_model(**kw: Any) -> M.GlobalModel:
     weights = np.linspace(-1, 1, 10, dtype=np.float32)
     arrays = kw.pop("arrays", {"c_global": np.full(10, 0.5, np.float32)})
-    return P.GlobalModel(3, 2, P.model_digest(weights, arrays), weights, arrays, run_id="3f2a9c1b7d4e", **kw)
+    return M.GlobalModel(3, 2, M.model_digest(weights, arrays), weights, arrays, run_id="3f2a9c1b7d4e", **kw)
 
 
 def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail: bytes | None = None) -> bytes:
@@ -80,21 +81,21 @@ MESSAGES = [
     _assignment(arrays={}, alpha=None, settings={}),
     _update(),
     _update(arrays={}, metrics={}, extras={}),
-    P.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
-    P.Presence("server", True, role="server", reason="start"),
-    P.Presence("pi-01", False, reason="lost"),
-    P.Stop("done"),
-    P.Stop("done", run_id="3f2a9c1b7d4e"),
-    P.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
+    M.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
+    M.Presence("server", True, role="server", reason="start"),
+    M.Presence("pi-01", False, reason="lost"),
+    M.Stop("done"),
+    M.Stop("done", run_id="3f2a9c1b7d4e"),
+    M.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
     _global_model(),
     _global_model(arrays={}),
-    P.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
-    P.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
+    M.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
+    M.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
 ]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
-def test_round_trip(msg: P.Message) -> None:
+def test_round_trip(msg: M.Message) -> None:
     payload = bytes(P.encode(msg))
     out = P.decode(payload)
     assert type(out) is type(msg)
@@ -141,7 +142,7 @@ def test_read_header_offset() -> None:
 
 
 def test_defaults_may_be_omitted_on_the_wire() -> None:
-    payload = _edit(P.encode(P.Presence("pi-01", True)), lambda h: [h["f"].pop("role"), h["f"].pop("reason")])
+    payload = _edit(P.encode(M.Presence("pi-01", True)), lambda h: [h["f"].pop("role"), h["f"].pop("reason")])
     out = P.decode(payload)
     assert out.role == "client" and out.reason == ""
 
@@ -193,7 +194,7 @@ def test_message_id() -> None:
     _reject(_edit(GOOD, lambda h: h.update(id="bad id/")), P.InvalidField, "id", "bad id/")
     _reject(_edit(GOOD, lambda h: h.pop("id")), P.MalformedMessage, "'id'")
     with pytest.raises(P.InvalidField, match="msg_id"):
-        P.encode(P.Stop("x", msg_id=""))
+        P.encode(M.Stop("x", msg_id=""))
 
 
 def test_missing_fields() -> None:
@@ -263,7 +264,7 @@ def test_unknown_field() -> None:
 
 
 def test_presence_role() -> None:
-    _reject(P.encode(P.Presence("a", True)).replace(b"client", b"master"), P.InvalidField, "role", "master")
+    _reject(P.encode(M.Presence("a", True)).replace(b"client", b"master"), P.InvalidField, "role", "master")
 
 
 def test_shapes() -> None:
@@ -276,7 +277,7 @@ def test_shapes() -> None:
     _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(1, "<f8")), P.InvalidField, "'delta'", "'<f4'", "'<f8'")
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "delta")), P.InvalidField, "repeated")
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "weights")), P.InvalidField, "weights")
-    _reject(_edit(P.encode(P.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
+    _reject(_edit(P.encode(M.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
     # the model never travels inside an assignment: only its own arrays ("x:...") may
     a = P.encode(_assignment())
     _reject(_edit(a, lambda h: h["a"][0].__setitem__(0, "weights")), P.InvalidField, "assignment", "weights")
@@ -286,12 +287,12 @@ def test_model_digest_names_weights_and_every_shared_array() -> None:
     """Two models with any byte or array name different never share a digest; equal content always does."""
     w = np.arange(6, dtype=np.float32)
     c = np.ones(6, np.float32)
-    base = P.model_digest(w, {"c": c})
-    assert base == P.model_digest(w.copy(), {"c": c.copy()}) == P.model_digest(w.astype(">f4"), {"c": c})
+    base = M.model_digest(w, {"c": c})
+    assert base == M.model_digest(w.copy(), {"c": c.copy()}) == M.model_digest(w.astype(">f4"), {"c": c})
     w2 = w.copy()
     w2[3] = np.nextafter(w2[3], np.float32(10))
-    others = [P.model_digest(w2, {"c": c}), P.model_digest(w, {}), P.model_digest(w, {"d": c}),
-              P.model_digest(w, {"c": c, "d": c}), P.model_digest(np.concatenate([w, c]), {})]  # fmt: skip
+    others = [M.model_digest(w2, {"c": c}), M.model_digest(w, {}), M.model_digest(w, {"d": c}),
+              M.model_digest(w, {"c": c, "d": c}), M.model_digest(np.concatenate([w, c]), {})]  # fmt: skip
     assert len({base, *others}) == 1 + len(others)
 
 
@@ -341,11 +342,11 @@ def test_a_round_model_may_carry_its_weights_as_a_compressed_difference_and_noth
     rng = np.random.default_rng(0)
     diff = codecs.encode(rng.standard_normal(600).astype(np.float32), codecs.parse("int8"), rng)
     c = np.full(600, 0.5, np.float32)
-    message = P.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
+    message = M.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
     got = P.decode(P.encode(message))
-    assert isinstance(got, P.GlobalModel) and got.diff_base == "cd" * 32
+    assert isinstance(got, M.GlobalModel) and got.diff_base == "cd" * 32
     assert np.array_equal(got.weights, codecs.decode(diff)) and np.array_equal(got.arrays["c"], c)
-    coded_c = P.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
+    coded_c = M.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
     _reject(P.encode(coded_c), P.InvalidField, "'x:c'", "dtype")
     assignment = _assignment()
     assignment.arrays = {"c": diff}
