@@ -46,6 +46,9 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text
 json_like = scalars | st.lists(scalars, max_size=3) | st.dictionaries(text, scalars, max_size=3)
 maps = st.dictionaries(text, json_like, max_size=3)
+# an update's contract values: numbers by name (the free-form maps above lose at encode what they may not carry)
+numbers = st.integers(-(2**53), 2**53) | st.floats()
+values = st.dictionaries(st.text("abz_", min_size=1, max_size=8), numbers, max_size=3)
 nonneg = st.integers(0, 2**31)
 vectors = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=8).map(
     lambda v: np.array(v, dtype=np.float32)
@@ -88,7 +91,7 @@ updates = st.builds(
     train_loss=st.floats(),  # NaN is allowed: a diverged client reports it
     delta=vectors,
     metrics=maps,
-    extras=maps,
+    extras=values,
     arrays=extra_arrays,
     run_id=run_ids,
 )
