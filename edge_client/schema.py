@@ -117,6 +117,7 @@ MAX_STR = 128
 MAX_LIST = 32
 KEY_PATTERN = r"[A-Za-z_][A-Za-z0-9_.-]{0,63}"
 _KEY_RE = re.compile(KEY_PATTERN)
+_TYPE, _RANGE, _NON_FINITE = -1, -2, -3  # why FreeMap._scalar / _list did not take a value (a negative size)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class FreeMap:
     (one level: the per-round snapshots of ``Update.metrics``). At most ``max_keys`` keys per map, keys matching
     ``KEY_PATTERN``, at most ``max_bytes`` of JSON in all. ``drop``: an entry outside is dropped and counted as
     ``dropped_<why>`` (why: key, type, non_finite, range, count, bytes) while the message goes on; otherwise the
-    message is refused (``non_finite`` for NaN/Inf, else ``invalid_field``).
+    message is refused (``invalid_field``).
     """
 
     max_keys: int = 32
@@ -157,67 +158,99 @@ class FreeMap:
         """The map as a whole (its entries are :meth:`clean`'s)."""
         return isinstance(v, dict)
 
-    def clean(
-        self, where: str, value: dict[Any, Any], *, inner: bool = False
-    ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
-        """The entries that hold (numpy scalars as Python's, tuples as lists), and ``(why, text)`` for each other;
-        ``inner``: ``value`` is itself an entry (no maps in it)."""
-        kept: dict[str, Any] = {}
+    def clean(self, where: str, value: dict[Any, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+        """The entries that hold (numpy scalars as Python's, tuples as lists), and ``(why, text)`` for each other."""
         problems: list[tuple[str, str]] = []
-        size = 2  # "{}"
+        kept, _ = self._map(where, value, problems, inner=False)
+        return kept, problems
+
+    def _map(
+        self, where: str, value: dict[Any, Any], problems: list[tuple[str, str]], inner: bool
+    ) -> tuple[dict[str, Any], int]:
+        """The entries of ``value`` that hold and their size as compact JSON (counted as they are taken: decoding
+        a device's telemetry must stay cheap); ``inner``: ``value`` is itself an entry (no maps in it)."""
+        kept: dict[str, Any] = {}
+        size = 2  # {}
         for key, raw in value.items():
-            path = f"{where}.{key}" if isinstance(key, str) else f"{where}[{short(key)}]"
-            if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+            if type(key) is not str or _KEY_RE.fullmatch(key) is None:
+                path = f"{where}.{key}" if type(key) is str else f"{where}[{short(key)}]"
                 problems.append(("key", f"{path}: key expected to match {KEY_PATTERN}"))
                 continue
             if len(kept) >= self.max_keys:
-                problems.append(("count", f"{path}: more than {self.max_keys} keys"))
+                problems.append(("count", f"{where}.{key}: more than {self.max_keys} keys"))
                 continue
-            entry, why = self._entry(path, raw, problems, inner)
-            if why:
-                problems.append(why)
-                continue
-            add = len(json.dumps(key)) + len(json.dumps(entry)) + 2  # "key": value,
+            kind = type(raw)
+            if kind is dict and self.nested and not inner:
+                entry, add = self._map(f"{where}.{key}", raw, problems, inner=True)
+            else:
+                if (kind is list or kind is tuple) and self.nested:
+                    entry, add = self._list(raw)
+                else:
+                    entry, add = self._scalar(raw)
+                if add < 0:
+                    problems.append(self._why(f"{where}.{key}", raw, add, in_list=False))
+                    continue
+            add += len(key) + 4  # "key": and the comma (a key is ASCII)
             if size + add > self.max_bytes:
-                problems.append(("bytes", f"{path}: the map would exceed {self.max_bytes} bytes as JSON"))
+                problems.append(("bytes", f"{where}.{key}: the map would exceed {self.max_bytes} bytes as JSON"))
                 continue
             kept[key] = entry
             size += add
-        return kept, problems
+        return kept, size
 
-    def _entry(
-        self, path: str, v: Any, problems: list[tuple[str, str]], inner: bool
-    ) -> tuple[Any, tuple[str, str] | None]:
-        if self.nested and not inner and isinstance(v, dict):
-            kept, more = self.clean(path, v, inner=True)
-            problems += more
-            return kept, None
-        if self.nested and isinstance(v, list | tuple):
-            if len(v) > MAX_LIST:
-                return None, ("range", f"{path}: a list of {len(v)} items, expected <= {MAX_LIST}")
-            items = []
-            for i, item in enumerate(v):
-                item, why = self._scalar(f"{path}[{i}]", item)
-                if why:
-                    return None, why
-                items.append(item)
-            return items, None
-        return self._scalar(path, v)
+    def _list(self, v: list[Any] | tuple[Any, ...]) -> tuple[Any, int]:
+        """``v`` as a list of scalars this map takes and its size as JSON, or a negative size saying why not."""
+        if len(v) > MAX_LIST:
+            return None, _RANGE
+        items, size = [], 2  # []
+        for item in v:
+            item, add = self._scalar(item)
+            if add < 0:
+                return None, add
+            items.append(item)
+            size += add + 1
+        return items, size
 
-    def _scalar(self, path: str, v: Any) -> tuple[Any, tuple[str, str] | None]:
-        v = v.item() if isinstance(v, np.generic) else v
-        if self.finite and isinstance(v, float) and not math.isfinite(v):
-            return None, ("non_finite", f"{path}: {v!r} is not finite")
-        if is_int(v) and not -MAX_SAFE_INT <= v <= MAX_SAFE_INT:
-            return None, ("range", f"{path}: int {short(v)} is beyond +-2^53")
-        if is_int(v) or isinstance(v, float):
-            return v, None
-        if not self.numbers and (v is None or isinstance(v, bool)):
-            return v, None
-        if not self.numbers and isinstance(v, str):
-            return (v, None) if len(v) <= MAX_STR else (None, ("range", f"{path}: a str of {len(v)} chars"))
+    def _scalar(self, v: Any) -> tuple[Any, int]:
+        """``v`` (a numpy scalar as Python's) and its size as JSON, or a negative size saying why it is not taken."""
+        kind = type(v)
+        if kind is float or kind is int:
+            pass
+        elif isinstance(v, np.generic):
+            v = v.item()
+            kind = type(v)
+        if kind is float:
+            if math.isfinite(v):
+                return v, len(repr(v))
+            return (v, 9) if not self.finite else (v, _NON_FINITE)  # -Infinity
+        if kind is int:
+            return (v, len(repr(v))) if -MAX_SAFE_INT <= v <= MAX_SAFE_INT else (v, _RANGE)
+        if self.numbers:
+            return v, _TYPE
+        if v is None or kind is bool:
+            return v, 5
+        if kind is str:
+            if len(v) > MAX_STR:
+                return v, _RANGE
+            plain = v.isascii() and v.isprintable() and '"' not in v and "\\" not in v  # as JSON, as it is
+            return v, len(v) + 2 if plain else len(json.dumps(v))
+        return v, _TYPE
+
+    def _why(self, path: str, v: Any, code: int, in_list: bool) -> tuple[str, str]:
+        """``(why, text)`` of an entry ``_scalar`` or ``_list`` did not take (``code``, their negative size)."""
+        if not in_list and type(v) in (list, tuple) and self.nested and len(v) <= MAX_LIST:  # name the bad item
+            i, item, code = next((i, x, c) for i, x in enumerate(v) if (c := self._scalar(x)[1]) < 0)
+            return self._why(f"{path}[{i}]", item, code, in_list=True)
+        if code == _NON_FINITE:
+            return "non_finite", f"{path}: {short(v)} is not finite"
+        if code == _RANGE and isinstance(v, str):
+            return "range", f"{path}: a str of {len(v)} chars, expected <= {MAX_STR}"
+        if code == _RANGE and isinstance(v, list | tuple):
+            return "range", f"{path}: a list of {len(v)} items, expected <= {MAX_LIST}"
+        if code == _RANGE:
+            return "range", f"{path}: int {short(v)} is beyond +-2^53"
         what = "an int or float" if self.numbers else "a scalar"
-        return None, ("type", f"{path}: a {type(v).__name__}, expected {what}")
+        return "type", f"{path}: a {type(v).__name__}, expected {what}"
 
 
 # ----------------------------------------------------------------------------------------------- declarations
