@@ -50,7 +50,7 @@ import numpy as np
 
 from benchmarks.common import DEFAULT_OUT, machine, machine_line, write_results
 from edge_client.data import ArrayDataset
-from edge_client.protocol import Update
+from edge_client.messages import Update
 from server.admission import Admission, RoundState
 from server.config import TrainSection
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy

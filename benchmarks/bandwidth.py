@@ -41,7 +41,8 @@ import numpy as np
 
 from benchmarks.common import machine, machine_line, write_results
 from edge_client import codecs
-from edge_client.protocol import Update, decode, encode
+from edge_client.messages import Update
+from edge_client.protocol import decode, encode
 
 NAME = "bandwidth"
 TARGET = 0.97

@@ -133,7 +133,8 @@ def _updates(out: Path) -> int:
 
 def measure(client_python: str, quick: bool, timeout: float = 3600.0) -> dict[str, Any]:
     """Peak RSS of the baseline and of each command, one after another, each in a fresh process."""
-    from edge_client.protocol import ModelFile, encode
+    from edge_client.messages import ModelFile
+    from edge_client.protocol import encode
     from edge_client.topics import Topics
     from edge_client.transport import LinkConfig, MqttLink
     from server.broker import Broker, BrokerSettings

@@ -92,8 +92,9 @@ def _serve_link(
 ) -> None:
     """One device at protocol level: hello, keep the round models it is sent (asking the server for one it missed, as
     ``edge_client.runtime`` does), answer each assignment with the deterministic update until stop."""
+    from edge_client.messages import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update
     from edge_client.models_cache import ModelCache
-    from edge_client.protocol import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update, encode
+    from edge_client.protocol import encode
     from edge_client.topics import Topics
     from edge_client.transport import LinkConfig, MqttLink
 
@@ -336,8 +337,9 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
     import torch
 
     from edge_client.data import ArrayDataset
+    from edge_client.messages import GlobalModel, model_digest
     from edge_client.models import build_model, get_flat
-    from edge_client.protocol import GlobalModel, encode, model_digest
+    from edge_client.protocol import encode
     from edge_client.transport import LinkConfig
     from server.broker import Broker, BrokerSettings
     from server.config import from_dict

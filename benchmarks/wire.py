@@ -32,7 +32,8 @@ import numpy as np
 
 from benchmarks.common import machine, machine_line, median_time, write_results
 from edge_client.chunking import DEFAULT_CHUNK_SIZE, split
-from edge_client.protocol import Update, decode, encode, new_msg_id
+from edge_client.messages import Update, new_msg_id
+from edge_client.protocol import decode, encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 

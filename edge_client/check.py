@@ -66,7 +66,8 @@ def _reachable(config: LinkConfig) -> str | None:
 
 def check_broker(make_config: Callable[[], LinkConfig], client_id: str, job: str) -> Iterator[Item]:
     """The broker and acl items: reachable, login accepted, a QoS 1 publish on this device's up topic acknowledged."""
-    from edge_client.protocol import Presence, encode
+    from edge_client.messages import Presence
+    from edge_client.protocol import encode
     from edge_client.topics import Topics
     from edge_client.transport import MqttLink
 

@@ -18,12 +18,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edge_client.messages import Chunk, Message
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
-    Chunk,
     ChunkError,
     DuplicateMessage,
-    Message,
     MessageTooLarge,
     decode,
     encode,

@@ -12,7 +12,7 @@ from edge_client import codecs
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.codecs import Encoded
 from edge_client.contract import UPDATE_DELTA
-from edge_client.protocol import Assignment
+from edge_client.messages import Assignment
 
 
 class Uplink:

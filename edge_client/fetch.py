@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from edge_client.protocol import ModelFile
+from edge_client.messages import ModelFile
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.protocol import Assignment, GlobalModel, model_digest
+from edge_client.messages import Assignment, GlobalModel, model_digest
 
 log = logging.getLogger(__name__)
 

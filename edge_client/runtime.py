@@ -27,9 +27,7 @@ from edge_client.compression import Uplink
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
-from edge_client.models import build_model, fingerprint, parameter_layout
-from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
-from edge_client.protocol import (
+from edge_client.messages import (
     Ack,
     Assignment,
     ComputeReport,
@@ -45,8 +43,10 @@ from edge_client.protocol import (
     Resync,
     Stop,
     Update,
-    encode,
 )
+from edge_client.models import build_model, fingerprint, parameter_layout
+from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
+from edge_client.protocol import encode
 from edge_client.session import Session
 from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id

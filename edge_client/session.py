@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edge_client.protocol import Ack, Assignment, Failure, Presence, Stop, Update
+from edge_client.messages import Ack, Assignment, Failure, Presence, Stop, Update
 
 log = logging.getLogger(__name__)
 

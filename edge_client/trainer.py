@@ -24,7 +24,7 @@ from edge_client.algorithms.base import ClientAlgorithm, LocalContext
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment
+from edge_client.messages import Assignment
 
 
 @dataclass

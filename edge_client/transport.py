@@ -32,7 +32,8 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge_client import chunking
-from edge_client.protocol import DuplicateMessage, Message, MessageTooLarge, ProtocolError
+from edge_client.messages import Message
+from edge_client.protocol import DuplicateMessage, MessageTooLarge, ProtocolError
 from edge_client.topics import stream_of
 
 log = logging.getLogger(__name__)

@@ -20,6 +20,7 @@ from typing import Any
 
 from edge_client.codecs import FP32, CodecSpec
 from edge_client.contract import Contract, checked_norm
+from edge_client.messages import Update
 from edge_client.protocol import (
     DuplicateMessage,
     InvalidField,
@@ -28,7 +29,6 @@ from edge_client.protocol import (
     OutOfRound,
     ProtocolError,
     ShapeMismatch,
-    Update,
 )
 
 

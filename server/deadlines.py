@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge_client.protocol import Update
+from edge_client.messages import Update
 from server.config import ClientsSection
 
 

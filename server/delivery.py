@@ -18,7 +18,8 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any
 
-from edge_client.protocol import Ack, Assignment, Failure, Hello, Message, ProtocolError, Resync, Update, encode
+from edge_client.messages import Ack, Assignment, Failure, Hello, Message, Resync, Update
+from edge_client.protocol import ProtocolError, encode
 from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.admission import RoundState

@@ -28,16 +28,8 @@ import numpy as np
 
 from edge_client import chunking
 from edge_client.contract import Contract
-from edge_client.protocol import (
-    Assignment,
-    DuplicateMessage,
-    GlobalModel,
-    InvalidField,
-    ModelRequest,
-    OutOfRound,
-    encode,
-    model_digest,
-)
+from edge_client.messages import Assignment, GlobalModel, ModelRequest, model_digest
+from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound, encode
 from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.downlink import Downlink

@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 
 from edge_client import codecs
-from edge_client.protocol import GlobalModel, model_digest, new_msg_id
+from edge_client.messages import GlobalModel, model_digest, new_msg_id
 
 
 class Downlink:

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.protocol import DuplicateMessage, Evaluation, InvalidField, NonFiniteValues, OutOfRound
+from edge_client.messages import Evaluation
+from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound
 from edge_client.tasks import Task, combine_reports
 from server.admission import WrongSampleCount
 from server.config import EvalSection

@@ -45,27 +45,23 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
-from edge_client.protocol import (
-    MAX_HEADER_BYTES,
+from edge_client.messages import (
     ComputeReport,
     Evaluate,
     Evaluation,
     Failure,
     Hello,
-    InvalidField,
     Message,
-    MessageTooLarge,
     ModelFile,
     ModelRequest,
     Presence,
-    ProtocolError,
     Refusal,
     Resync,
     Stop,
     Update,
-    encode,
 )
+from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
+from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, MessageTooLarge, ProtocolError, dropped_entries, encode
 from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
@@ -255,6 +251,9 @@ class Orchestrator:
                 return
         if sender is not None and self.delivery.repeat(sender, msg.msg_id):
             return  # answered again, never processed twice
+        for drop in dropped_entries(msg):  # what decoding dropped from its free-form maps: counted, it goes on
+            self.link.reject(topic, drop)
+            self.live.rejected(sender, drop.reason)
         error: ProtocolError | None = None
         try:
             if sender is None:

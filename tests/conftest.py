@@ -31,7 +31,7 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.codecs import parse as parse_codec
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from edge_client.trainer import TrainResult, plan_for, train_local
 from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState

@@ -18,9 +18,7 @@ import numpy as np
 
 from edge_client.algorithms import contract_of
 from edge_client.contract import Contract
-from edge_client.models_cache import ModelCache
-from edge_client.protocol import (
-    PROTOCOL_VERSION,
+from edge_client.messages import (
     Assignment,
     GlobalModel,
     Hello,
@@ -29,9 +27,10 @@ from edge_client.protocol import (
     Presence,
     Stop,
     Update,
-    encode,
     new_msg_id,
 )
+from edge_client.models_cache import ModelCache
+from edge_client.protocol import PROTOCOL_VERSION, encode
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
 from server.distribution import split_round

@@ -19,7 +19,8 @@ from fakes import FakeDevice, device_topics, hostile_frames, zero_update
 
 from edge_client.algorithms import CONTRACTS
 from edge_client.data import load_local_data
-from edge_client.protocol import Assignment, Update, encode, new_msg_id
+from edge_client.messages import Assignment, Update, new_msg_id
+from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from server.assembly import make_orchestrator, split_clients

@@ -21,8 +21,8 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import Assignment, Update
 from edge_client.models import build_model, get_flat, set_flat
-from edge_client.protocol import Assignment, Update
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.drag import Drag
 from server.strategies.drag_br import DragBR

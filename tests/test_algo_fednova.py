@@ -14,8 +14,8 @@ from edge_client.algorithms.fednova import FedNovaClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import Assignment, Update
 from edge_client.models import set_flat
-from edge_client.protocol import Assignment, Update
 from server.admission import WrongSteps
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedavg import FedAvg

@@ -20,7 +20,7 @@ from edge_client.algorithms.fedumf import FedUmfClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedumf import FedUmf
 

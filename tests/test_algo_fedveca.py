@@ -17,7 +17,8 @@ from edge_client.algorithms.fedveca import FedVecaClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, MissingField, Update
+from edge_client.messages import Assignment, Update
+from edge_client.protocol import MissingField
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedveca import FedVeca
 

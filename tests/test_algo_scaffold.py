@@ -17,16 +17,8 @@ from edge_client.compression import Uplink
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import (
-    Assignment,
-    MissingField,
-    NonFiniteValues,
-    ProtocolError,
-    ShapeMismatch,
-    Update,
-    decode,
-    encode,
-)
+from edge_client.messages import Assignment, Update
+from edge_client.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
 from edge_client.trainer import plan_for
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedavg import FedAvg

@@ -21,7 +21,7 @@ from edge_client.algorithms.taco import TacoClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from edge_client.runtime import TrainFn
 from edge_client.trainer import Plan, TrainResult
 from server.experiments.attacks import freeloader

@@ -23,8 +23,9 @@ from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import Assignment, GlobalModel, Update
 from edge_client.models_cache import ModelCache
-from edge_client.protocol import Assignment, GlobalModel, Update, decode, encode
+from edge_client.protocol import decode, encode
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedprox import FedProx
 from server.strategies.fedprox_taco import FedProxTaco

@@ -12,7 +12,8 @@ from conftest import CHANCE, Hooks
 from fakes import FakeDevice, zero_update
 
 from edge_client.algorithms import contract_of
-from edge_client.protocol import Assignment, encode
+from edge_client.messages import Assignment
+from edge_client.protocol import encode
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
 from server.strategies import STRATEGIES

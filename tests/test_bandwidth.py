@@ -15,7 +15,8 @@ from conftest import CHANCE, admit, make_config
 from edge_client import codecs as C
 from edge_client.algorithms import CONTRACTS
 from edge_client.contract import codecs_markdown
-from edge_client.protocol import GlobalModel, ProtocolError, Update, decode, encode, model_digest
+from edge_client.messages import GlobalModel, Update, model_digest
+from edge_client.protocol import ProtocolError, decode, encode
 from server.codec_policy import HEADER_BYTES, CodecPolicy, upload_bytes
 from server.config import ConfigError, from_dict
 from server.downlink import Downlink

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from conftest import CHANCE, run_to_end, start_federation
 
-from edge_client.protocol import Assignment, GlobalModel, Update, decode, read_header
+from edge_client.messages import Assignment, GlobalModel, Update
+from edge_client.protocol import decode, read_header
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from server.broker import Broker

@@ -16,7 +16,8 @@ from conftest import CHANCE, connect_client, run_to_end, start_federation, throw
 from paho.mqtt.client import Client
 
 from edge_client.fetch import fetch_model
-from edge_client.protocol import Hello, encode
+from edge_client.messages import Hello
+from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.acl import acl_rules, site_rules

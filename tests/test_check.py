@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from edge_client import check
-from edge_client.protocol import Presence
+from edge_client.messages import Presence
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker, free_port

@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from edge_client import messages as M
 from edge_client import protocol as P
 from edge_client.chunking import DEFAULT_CHUNK_SIZE, Reassembler, split
 
@@ -23,24 +24,24 @@ class Clock:
         return self.t
 
 
-def _update(n_floats: int, **kw: Any) -> P.Update:
+def _update(n_floats: int, **kw: Any) -> M.Update:
     rng = np.random.default_rng(0)
     args: dict[str, Any] = dict(
         round=1, model_version=1, client_id="pi-01", num_samples=10, local_steps=2, compute_s=0.1, cpu_s=0.1,
         train_loss=0.5, delta=rng.standard_normal(n_floats).astype(np.float32),
     )  # fmt: skip
     args.update(kw)
-    return P.Update(**args)
+    return M.Update(**args)
 
 
-def _frames(n_bytes: int = int(3.5 * MIB), chunk: int = MIB, **kw: Any) -> tuple[P.Update, list[bytes]]:
+def _frames(n_bytes: int = int(3.5 * MIB), chunk: int = MIB, **kw: Any) -> tuple[M.Update, list[bytes]]:
     msg = _update(n_bytes // 4, **kw)
     return msg, [bytes(f) for f in split(P.encode(msg), chunk)]
 
 
-def _chunk(frame: bytes) -> P.Chunk:
+def _chunk(frame: bytes) -> M.Chunk:
     c = P.decode(frame)
-    assert isinstance(c, P.Chunk)
+    assert isinstance(c, M.Chunk)
     return c
 
 
@@ -62,7 +63,7 @@ def test_split_and_shuffled_reassembly() -> None:
     assert [r.feed("pi-01", f) for f in frames[:3]] == [None] * 3
     assert r.pending() == 1
     out = r.feed("pi-01", frames[3])
-    assert isinstance(out, P.Update) and out.msg_id == msg.msg_id and r.pending() == 0
+    assert isinstance(out, M.Update) and out.msg_id == msg.msg_id and r.pending() == 0
     assert np.array_equal(out.delta, msg.delta) and out.client_id == "pi-01"
 
 
@@ -83,12 +84,12 @@ def test_duplicate_chunk_ignored_and_conflicting_chunk_rejected() -> None:
     c = _chunk(frames[0])
     changed = bytearray(c.data)
     changed[5] ^= 0xFF
-    forged = P.encode(P.Chunk(c.of, 0, c.count, c.size, c.chunk_size, c.sha256, bytes(changed)))
+    forged = P.encode(M.Chunk(c.of, 0, c.count, c.size, c.chunk_size, c.sha256, bytes(changed)))
     with pytest.raises(P.ChunkError, match="different bytes"):
         r.feed("pi-01", forged)
     for f in frames[1:]:
         out = r.feed("pi-01", f)
-    assert isinstance(out, P.Update) and np.array_equal(out.delta, msg.delta)
+    assert isinstance(out, M.Update) and np.array_equal(out.delta, msg.delta)
 
 
 def test_corrupted_byte_fails_digest() -> None:
@@ -117,21 +118,21 @@ def test_missing_chunk_stays_pending_then_expires() -> None:
     assert r.feed("pi-02", other[1]) is None
     assert r.pending() == 1
     clock.t = 200
-    assert r.feed("pi-02", P.encode(P.Stop("x"))).reason == "x"
+    assert r.feed("pi-02", P.encode(M.Stop("x"))).reason == "x"
     assert r.pending() == 0
 
 
 def test_duplicate_whole_and_reassembled_messages() -> None:
     r = Reassembler()
-    payload = P.encode(P.Stop("done"))
-    assert isinstance(r.feed("server", payload), P.Stop)
+    payload = P.encode(M.Stop("done"))
+    assert isinstance(r.feed("server", payload), M.Stop)
     with pytest.raises(P.DuplicateMessage, match="already delivered"):
         r.feed("server", payload)
-    assert isinstance(r.feed("other", payload), P.Stop)  # keyed by sender
+    assert isinstance(r.feed("other", payload), M.Stop)  # keyed by sender
     _, frames = _frames()
     for f in frames:
         out = r.feed("pi-01", f)
-    assert isinstance(out, P.Update)
+    assert isinstance(out, M.Update)
     for f in (frames[0], P.encode(out)):  # a broker redelivering chunks or the whole after a crash
         with pytest.raises(P.DuplicateMessage):
             r.feed("pi-01", f)
@@ -140,11 +141,11 @@ def test_duplicate_whole_and_reassembled_messages() -> None:
 
 def test_remembered_ids_are_bounded() -> None:
     r = Reassembler(remember=2)
-    first = P.encode(P.Stop("a"))
+    first = P.encode(M.Stop("a"))
     r.feed("s", first)
-    r.feed("s", P.encode(P.Stop("b")))
-    r.feed("s", P.encode(P.Stop("c")))
-    assert isinstance(r.feed("s", first), P.Stop)  # forgotten: LRU of 2
+    r.feed("s", P.encode(M.Stop("b")))
+    r.feed("s", P.encode(M.Stop("c")))
+    assert isinstance(r.feed("s", first), M.Stop)  # forgotten: LRU of 2
 
 
 def _raw(frame: bytes, data: bytes | None = None, **wire: Any) -> bytes:
@@ -174,7 +175,7 @@ def test_inconsistent_chunk_frames(wire: dict[str, Any], data: bytes | None, wor
     names = {"n": "count", "i": "index", "cs": "chunk_size"}
     kw = {names[k]: v for k, v in wire.items()}
     with pytest.raises(P.ChunkError, match=words):  # encode refuses to build such a frame too
-        P.encode(P.Chunk(**{**vars(c), "data": data or bytes(c.data), **kw}))
+        P.encode(M.Chunk(**{**vars(c), "data": data or bytes(c.data), **kw}))
 
 
 def test_chunk_disagreeing_with_first_chunk() -> None:
@@ -183,10 +184,10 @@ def test_chunk_disagreeing_with_first_chunk() -> None:
     r = Reassembler()
     r.feed("pi-01", frames[0])
     c, o = _chunk(frames[0]), _chunk(others[1])
-    forged = P.encode(P.Chunk(c.of, 1, o.count, o.size, o.chunk_size, o.sha256, bytes(o.data)))
+    forged = P.encode(M.Chunk(c.of, 1, o.count, o.size, o.chunk_size, o.sha256, bytes(o.data)))
     with pytest.raises(P.ChunkError, match="size expected"):
         r.feed("pi-01", forged)
-    forged = P.encode(P.Chunk(c.of, 1, c.count, c.size, c.chunk_size, "0" * 64, bytes(_chunk(frames[1]).data)))
+    forged = P.encode(M.Chunk(c.of, 1, c.count, c.size, c.chunk_size, "0" * 64, bytes(_chunk(frames[1]).data)))
     with pytest.raises(P.ChunkError, match="sha256 expected"):
         r.feed("pi-01", forged)
 

@@ -12,7 +12,7 @@ import pytest
 from fakes import as_sent
 
 from edge_client.data import ArrayDataset, load_local_data
-from edge_client.protocol import Assignment, Failure, Presence
+from edge_client.messages import Assignment, Failure, Presence
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import train_local

@@ -20,7 +20,8 @@ import pytest
 from conftest import CHANCE, in_ci, run_to_end, start_federation
 
 from edge_client.fetch import fetch_model
-from edge_client.protocol import Hello, MessageTooLarge, ModelFile, encode
+from edge_client.messages import Hello, ModelFile
+from edge_client.protocol import MessageTooLarge, encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import free_port

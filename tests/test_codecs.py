@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from edge_client import codecs as C
+from edge_client.messages import Assignment, GlobalModel, Update, model_digest
 from edge_client.models_cache import ModelCache
-from edge_client.protocol import Assignment, GlobalModel, NonFiniteValues, Update, decode, encode, model_digest
+from edge_client.protocol import NonFiniteValues, decode, encode
 
 SPECS = ["fp32", "fp16", "int8", "int8:64", "topk:0.01", "topk:0.1+int8", "topk:0.5+int8:7"]
 

@@ -15,9 +15,7 @@ from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.models import build_model, num_params
-from edge_client.models_cache import ModelCache
-from edge_client.protocol import (
+from edge_client.messages import (
     Assignment,
     Failure,
     GlobalModel,
@@ -27,8 +25,10 @@ from edge_client.protocol import (
     Presence,
     Resync,
     Update,
-    encode,
 )
+from edge_client.models import build_model, num_params
+from edge_client.models_cache import ModelCache
+from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import Plan, TrainResult

@@ -14,7 +14,7 @@ import pytest
 from edge_client.algorithms import CLIENT_ALGORITHMS, CONTRACTS, client_algorithm
 from edge_client.contract import ContractError, Setting, checked_norm, settings_markdown, vector_norm
 from edge_client.data import ArrayDataset
-from edge_client.protocol import Assignment
+from edge_client.messages import Assignment
 from edge_client.trainer import plan_for
 from server.cli import main as server_main
 from server.config import ConfigError, from_dict

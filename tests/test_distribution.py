@@ -11,7 +11,8 @@ import pytest
 from conftest import make_config
 
 from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
-from edge_client.protocol import Assignment, DuplicateMessage, InvalidField, ModelRequest, OutOfRound, model_digest
+from edge_client.messages import Assignment, ModelRequest, model_digest
+from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
 from edge_client.topics import Topics
 from server.distribution import Distribution, split_round
 from server.experiments.datasets import load_dataset

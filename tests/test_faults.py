@@ -27,8 +27,9 @@ from fakes import FakeDevice, as_sent, zero_update
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
+from edge_client.messages import Assignment, Presence, Update
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Presence, Update, encode
+from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig

@@ -22,7 +22,8 @@ from conftest import in_ci
 from fakes import FakeDevice, zero_update
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.protocol import Assignment, ComputeReport, DuplicateMessage, OutOfRound, encode
+from edge_client.messages import Assignment, ComputeReport
+from edge_client.protocol import DuplicateMessage, OutOfRound, encode
 from edge_client.topics import Topics
 from edge_client.trainer import Plan, TrainResult
 from server.admission import WrongSteps

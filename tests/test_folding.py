@@ -15,8 +15,8 @@ from conftest import Hooks, admit, make_config, make_update, spill_files
 
 from edge_client.contract import vector_norm
 from edge_client.data import ArrayDataset
+from edge_client.messages import Update
 from edge_client.models import build_model, num_params
-from edge_client.protocol import Update
 from edge_client.transport import LinkConfig
 from server.checkpoint import pack_state
 from server.config import from_dict

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from edge_client import codecs as C
+from edge_client import messages as M
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
 
@@ -45,6 +46,9 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | finite | text
 json_like = scalars | st.lists(scalars, max_size=3) | st.dictionaries(text, scalars, max_size=3)
 maps = st.dictionaries(text, json_like, max_size=3)
+# an update's contract values: numbers by name (the free-form maps above lose at encode what they may not carry)
+numbers = st.integers(-(2**53), 2**53) | st.floats()
+values = st.dictionaries(st.text("abz_", min_size=1, max_size=8), numbers, max_size=3)
 nonneg = st.integers(0, 2**31)
 vectors = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=8).map(
     lambda v: np.array(v, dtype=np.float32)
@@ -53,9 +57,9 @@ extra_arrays = st.dictionaries(st.text(min_size=1, max_size=4), vectors, max_siz
 digests = st.binary(min_size=32, max_size=32).map(bytes.hex)
 run_ids = st.text("abz019_.:-", max_size=12)
 
-hellos = st.builds(P.Hello, ids, nonneg, maps)
+hellos = st.builds(M.Hello, ids, nonneg, maps)
 assignments = st.builds(
-    P.Assignment,
+    M.Assignment,
     round=nonneg,
     model_version=nonneg,
     local_steps=st.integers(1, 10**6),
@@ -76,7 +80,7 @@ assignments = st.builds(
     global_arrays=st.lists(st.text(min_size=1, max_size=4), max_size=3, unique=True),
 )
 updates = st.builds(
-    P.Update,
+    M.Update,
     round=nonneg,
     model_version=nonneg,
     client_id=ids,
@@ -87,7 +91,7 @@ updates = st.builds(
     train_loss=st.floats(),  # NaN is allowed: a diverged client reports it
     delta=vectors,
     metrics=maps,
-    extras=maps,
+    extras=values,
     arrays=extra_arrays,
     run_id=run_ids,
 )
@@ -95,7 +99,7 @@ codec_specs = st.sampled_from(["fp16", "int8", "int8:3", "topk:0.2", "topk:0.5+i
 
 
 @st.composite
-def compressed_updates(draw: st.DrawFn) -> P.Update:
+def compressed_updates(draw: st.DrawFn) -> M.Update:
     """An update whose delta and extra arrays travel compressed, each with its own codec."""
     update = draw(updates)
     spec = draw(codec_specs)
@@ -105,18 +109,18 @@ def compressed_updates(draw: st.DrawFn) -> P.Update:
     return update
 
 
-failures = st.builds(P.Failure, nonneg, ids, st.text("abz_", min_size=1, max_size=8), text, run_ids)
-presences = st.builds(P.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
-stops = st.builds(P.Stop, text, run_ids)
-reports = st.builds(P.ComputeReport, nonneg, ids, st.integers(1, 2**31), st.floats(0.0, 1e6), st.floats(0.0, 1e6),
+failures = st.builds(M.Failure, nonneg, ids, st.text("abz_", min_size=1, max_size=8), text, run_ids)
+presences = st.builds(M.Presence, ids, st.booleans(), st.sampled_from(["client", "server"]), text)
+stops = st.builds(M.Stop, text, run_ids)
+reports = st.builds(M.ComputeReport, nonneg, ids, st.integers(1, 2**31), st.floats(0.0, 1e6), st.floats(0.0, 1e6),
                     run_ids)  # fmt: skip
-models = st.builds(P.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
-global_models = st.builds(P.GlobalModel, nonneg, nonneg, digests, vectors, extra_arrays, run_ids)
-model_requests = st.builds(P.ModelRequest, nonneg, ids, digests, run_ids)
+models = st.builds(M.ModelFile, nonneg, digests, maps, st.binary(max_size=64))
+global_models = st.builds(M.GlobalModel, nonneg, nonneg, digests, vectors, extra_arrays, run_ids)
+model_requests = st.builds(M.ModelRequest, nonneg, ids, digests, run_ids)
 
 
 @st.composite
-def chunks(draw: st.DrawFn) -> P.Chunk:
+def chunks(draw: st.DrawFn) -> M.Chunk:
     """One frame of a chunked Update or round model (split() makes them, so count, size and digest are consistent)."""
     payload = P.encode(draw(updates | global_models))
     frames = split(payload, draw(st.integers(1, max(1, len(payload) - 1))))
@@ -141,7 +145,7 @@ frames = messages.map(lambda m: bytes(P.encode(m)))
 
 
 # ------------------------------------------------------------------------------------------------ the property
-def check(payload: bytes | bytearray) -> P.Message | P.Chunk | None:
+def check(payload: bytes | bytearray) -> M.Message | M.Chunk | None:
     """Decode ``payload``: a valid message survives a round trip, anything else is a specific ProtocolError."""
     try:
         msg = P.decode(payload)
@@ -157,7 +161,7 @@ def check(payload: bytes | bytearray) -> P.Message | P.Chunk | None:
     if codecs:  # decoded vectors are float32 now, each the length its header announced
         header = P.read_header(payload)[0]
         assert all(np.isfinite(v).all() for v in [msg.delta, *msg.arrays.values()])  # type: ignore[union-attr]
-        assert set(codecs.values()) == {d for _, d, _ in header["a"] if d != P.DTYPE}
+        assert set(codecs.values()) == {d for _, d, _ in header["a"] if d != M.DTYPE}
         return msg
     # the header may shrink (msgpack float32 -> float64, non-minimal ints) but the raw array bytes are the same
     assert len(again) - P.read_header(again)[1] == len(payload) - P.read_header(payload)[1]
@@ -200,8 +204,8 @@ def test_every_truncation_of_each_message_type() -> None:
     rng = np.random.default_rng(0)
     vec = rng.standard_normal(8).astype(np.float32)
     examples = [
-        P.Hello("pi-01", 600, {"machine": "aarch64"}),
-        P.Assignment(
+        M.Hello("pi-01", 600, {"machine": "aarch64"}),
+        M.Assignment(
             local_steps=5,
             lr=0.1,
             batch_size=32,
@@ -218,14 +222,14 @@ def test_every_truncation_of_each_message_type() -> None:
             model_sha256="0" * 64,
             global_arrays=["c_global"],
         ),
-        P.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
-        P.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
-        P.ComputeReport(1, "pi-01", 50, 1.25, 1.1, run_id="r1"),
-        P.Presence("pi-01", True),
-        P.Stop("done"),
-        P.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),
-        P.GlobalModel(3, 2, P.model_digest(vec, {"c": vec}), vec, {"c": vec}, run_id="r1"),
-        P.ModelRequest(3, "pi-01", "0" * 64, run_id="r1"),
+        M.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),
+        M.Failure(1, "pi-01", "train_error", "out of memory", run_id="r1"),
+        M.ComputeReport(1, "pi-01", 50, 1.25, 1.1, run_id="r1"),
+        M.Presence("pi-01", True),
+        M.Stop("done"),
+        M.ModelFile(3, "0" * 64, {"round": 3}, b"onnx" * 8),
+        M.GlobalModel(3, 2, M.model_digest(vec, {"c": vec}), vec, {"c": vec}, run_id="r1"),
+        M.ModelRequest(3, "pi-01", "0" * 64, run_id="r1"),
     ]
     payloads = [bytes(P.encode(m)) for m in examples] + [bytes(f) for f in split(P.encode(examples[2]), 40)[:2]]
     assert {P.decode(p).TYPE for p in payloads} == {m.TYPE for m in examples} | {"chunk"}
@@ -306,7 +310,7 @@ def test_header_values_of_wrong_types(payload: bytes, data: st.DataObject, value
     ),
 )
 def test_hostile_chunk_streams(
-    update: P.Update | P.GlobalModel, chunk_size: int, ops: list[tuple[str, int, int]]
+    update: M.Update | M.GlobalModel, chunk_size: int, ops: list[tuple[str, int, int]]
 ) -> None:
     """Chunk frames flipped, truncated, repeated, dropped and reordered: the Reassembler rejects each bad frame
     specifically and delivers the message at most once, exactly as sent (sha256 over the whole frame)."""
@@ -350,7 +354,7 @@ def compressed(spec: str) -> tuple[bytes, int]:
     """A valid update frame whose delta is ``spec``-coded, and the offset where the delta's parts begin."""
     x = np.linspace(-1.0, 1.0, D, dtype=np.float32)
     delta = C.encode(x, C.parse(spec), np.random.default_rng(0))
-    payload = bytes(P.encode(P.Update(1, 0, "pi-01", 10, 1, 0.0, 0.0, 0.0, delta)))
+    payload = bytes(P.encode(M.Update(1, 0, "pi-01", 10, 1, 0.0, 0.0, 0.0, delta)))
     return payload, P.read_header(payload)[1]
 
 

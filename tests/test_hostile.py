@@ -23,7 +23,8 @@ import pytest
 from fakes import FakeDevice, hostile_frames, zero_update
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.protocol import Assignment, Chunk, Update, encode, new_msg_id
+from edge_client.messages import Assignment, Chunk, Update, new_msg_id
+from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.protocol import Hello, Presence, Update
+from edge_client.messages import Hello, Presence, Update
 from edge_client.transport import LinkConfig
 from server.config import from_dict
 from server.evaluation import Evaluator

@@ -13,7 +13,8 @@ from conftest import make_update, require_mosquitto, run_benchmark_quick, spill_
 
 from benchmarks import load
 from edge_client import chunking
-from edge_client.protocol import Update, encode
+from edge_client.messages import Update
+from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
 from server.admission import RoundState

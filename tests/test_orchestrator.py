@@ -24,8 +24,9 @@ from fakes import FakeDevice, zero_update
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.contract import Array, Value
+from edge_client.messages import Assignment, Hello, Presence, Stop, Update, new_msg_id
 from edge_client.models import build_model, get_flat
-from edge_client.protocol import Assignment, Hello, Presence, Stop, Update, encode, new_msg_id
+from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState

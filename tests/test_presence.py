@@ -13,7 +13,8 @@ import pytest
 from conftest import MqttClientFactory, make_config
 from paho.mqtt.client import Client
 
-from edge_client.protocol import Presence, decode
+from edge_client.messages import Presence
+from edge_client.protocol import decode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator

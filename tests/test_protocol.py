@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import copy
+import json
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edge_client import codecs
+from edge_client import messages as M
 from edge_client import protocol as P
 
 V = P.PROTOCOL_VERSION
 
 
-def _assignment(**kw: Any) -> P.Assignment:
+def _assignment(**kw: Any) -> M.Assignment:
     args: dict[str, Any] = dict(
         round=3,
         model_version=2,
@@ -38,10 +44,10 @@ def _assignment(**kw: Any) -> P.Assignment:
         run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
-    return P.Assignment(**args)
+    return M.Assignment(**args)
 
 
-def _update(**kw: Any) -> P.Update:
+def _update(**kw: Any) -> M.Update:
     args: dict[str, Any] = dict(
         round=3,
         model_version=2,
@@ -58,13 +64,13 @@ def _update(**kw: Any) -> P.Update:
         run_id="3f2a9c1b7d4e",
     )
     args.update(kw)
-    return P.Update(**args)
+    return M.Update(**args)
 
 
-def _global_model(**kw: Any) -> P.GlobalModel:
+def _global_model(**kw: Any) -> M.GlobalModel:
     weights = np.linspace(-1, 1, 10, dtype=np.float32)
     arrays = kw.pop("arrays", {"c_global": np.full(10, 0.5, np.float32)})
-    return P.GlobalModel(3, 2, P.model_digest(weights, arrays), weights, arrays, run_id="3f2a9c1b7d4e", **kw)
+    return M.GlobalModel(3, 2, M.model_digest(weights, arrays), weights, arrays, run_id="3f2a9c1b7d4e", **kw)
 
 
 def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail: bytes | None = None) -> bytes:
@@ -80,21 +86,21 @@ MESSAGES = [
     _assignment(arrays={}, alpha=None, settings={}),
     _update(),
     _update(arrays={}, metrics={}, extras={}),
-    P.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
-    P.Presence("server", True, role="server", reason="start"),
-    P.Presence("pi-01", False, reason="lost"),
-    P.Stop("done"),
-    P.Stop("done", run_id="3f2a9c1b7d4e"),
-    P.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
+    M.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
+    M.Presence("server", True, role="server", reason="start"),
+    M.Presence("pi-01", False, reason="lost"),
+    M.Stop("done"),
+    M.Stop("done", run_id="3f2a9c1b7d4e"),
+    M.Failure(3, "pi-01", "train_error", "out of memory", run_id="3f2a9c1b7d4e"),
     _global_model(),
     _global_model(arrays={}),
-    P.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
-    P.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
+    M.ModelRequest(3, "pi-01", "cd" * 32, run_id="3f2a9c1b7d4e"),
+    M.ComputeReport(3, "pi-01", 50, 1.25, 1.1, run_id="3f2a9c1b7d4e"),
 ]
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.TYPE)
-def test_round_trip(msg: P.Message) -> None:
+def test_round_trip(msg: M.Message) -> None:
     payload = bytes(P.encode(msg))
     out = P.decode(payload)
     assert type(out) is type(msg)
@@ -141,7 +147,7 @@ def test_read_header_offset() -> None:
 
 
 def test_defaults_may_be_omitted_on_the_wire() -> None:
-    payload = _edit(P.encode(P.Presence("pi-01", True)), lambda h: [h["f"].pop("role"), h["f"].pop("reason")])
+    payload = _edit(P.encode(M.Presence("pi-01", True)), lambda h: [h["f"].pop("role"), h["f"].pop("reason")])
     out = P.decode(payload)
     assert out.role == "client" and out.reason == ""
 
@@ -193,7 +199,7 @@ def test_message_id() -> None:
     _reject(_edit(GOOD, lambda h: h.update(id="bad id/")), P.InvalidField, "id", "bad id/")
     _reject(_edit(GOOD, lambda h: h.pop("id")), P.MalformedMessage, "'id'")
     with pytest.raises(P.InvalidField, match="msg_id"):
-        P.encode(P.Stop("x", msg_id=""))
+        P.encode(M.Stop("x", msg_id=""))
 
 
 def test_missing_fields() -> None:
@@ -263,7 +269,7 @@ def test_unknown_field() -> None:
 
 
 def test_presence_role() -> None:
-    _reject(P.encode(P.Presence("a", True)).replace(b"client", b"master"), P.InvalidField, "role", "master")
+    _reject(P.encode(M.Presence("a", True)).replace(b"client", b"master"), P.InvalidField, "role", "master")
 
 
 def test_shapes() -> None:
@@ -276,7 +282,7 @@ def test_shapes() -> None:
     _reject(_edit(GOOD, lambda h: h["a"][0].__setitem__(1, "<f8")), P.InvalidField, "'delta'", "'<f4'", "'<f8'")
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "delta")), P.InvalidField, "repeated")
     _reject(_edit(GOOD, lambda h: h["a"][1].__setitem__(0, "weights")), P.InvalidField, "weights")
-    _reject(_edit(P.encode(P.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
+    _reject(_edit(P.encode(M.Stop("x")), lambda h: h.update(a=[["x:a", "<f4", [0]]])), P.InvalidField, "x:a")
     # the model never travels inside an assignment: only its own arrays ("x:...") may
     a = P.encode(_assignment())
     _reject(_edit(a, lambda h: h["a"][0].__setitem__(0, "weights")), P.InvalidField, "assignment", "weights")
@@ -286,12 +292,12 @@ def test_model_digest_names_weights_and_every_shared_array() -> None:
     """Two models with any byte or array name different never share a digest; equal content always does."""
     w = np.arange(6, dtype=np.float32)
     c = np.ones(6, np.float32)
-    base = P.model_digest(w, {"c": c})
-    assert base == P.model_digest(w.copy(), {"c": c.copy()}) == P.model_digest(w.astype(">f4"), {"c": c})
+    base = M.model_digest(w, {"c": c})
+    assert base == M.model_digest(w.copy(), {"c": c.copy()}) == M.model_digest(w.astype(">f4"), {"c": c})
     w2 = w.copy()
     w2[3] = np.nextafter(w2[3], np.float32(10))
-    others = [P.model_digest(w2, {"c": c}), P.model_digest(w, {}), P.model_digest(w, {"d": c}),
-              P.model_digest(w, {"c": c, "d": c}), P.model_digest(np.concatenate([w, c]), {})]  # fmt: skip
+    others = [M.model_digest(w2, {"c": c}), M.model_digest(w, {}), M.model_digest(w, {"d": c}),
+              M.model_digest(w, {"c": c, "d": c}), M.model_digest(np.concatenate([w, c]), {})]  # fmt: skip
     assert len({base, *others}) == 1 + len(others)
 
 
@@ -306,8 +312,8 @@ def test_encode_rejects_bad_arrays() -> None:
         P.encode(_update(arrays={"": np.zeros(1, np.float32)}))
     with pytest.raises(P.InvalidField, match="local_steps"):
         P.encode(_update(local_steps=-1))
-    with pytest.raises(P.InvalidField, match="serialised"):
-        P.encode(_update(metrics={"x": object()}))
+    with pytest.raises(P.InvalidField, match="serialised"):  # a server's map is checked where it is used
+        P.encode(M.Presence("server", True, model={"x": object()}))
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -331,7 +337,7 @@ def test_too_large() -> None:
 
 def test_reasons_are_distinct() -> None:
     classes = [c for c in vars(P).values() if isinstance(c, type) and issubclass(c, P.ProtocolError)]
-    assert len({c.reason for c in classes}) == len(classes) == 13
+    assert len({c.reason for c in classes}) == len(classes) == 14
     assert all(issubclass(c, ValueError) for c in classes)
 
 
@@ -341,13 +347,159 @@ def test_a_round_model_may_carry_its_weights_as_a_compressed_difference_and_noth
     rng = np.random.default_rng(0)
     diff = codecs.encode(rng.standard_normal(600).astype(np.float32), codecs.parse("int8"), rng)
     c = np.full(600, 0.5, np.float32)
-    message = P.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
+    message = M.GlobalModel(3, 2, "ab" * 32, diff, {"c": c}, run_id="3f2a9c1b7d4e", diff_base="cd" * 32)
     got = P.decode(P.encode(message))
-    assert isinstance(got, P.GlobalModel) and got.diff_base == "cd" * 32
+    assert isinstance(got, M.GlobalModel) and got.diff_base == "cd" * 32
     assert np.array_equal(got.weights, codecs.decode(diff)) and np.array_equal(got.arrays["c"], c)
-    coded_c = P.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
+    coded_c = M.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
     _reject(P.encode(coded_c), P.InvalidField, "'x:c'", "dtype")
     assignment = _assignment()
     assignment.arrays = {"c": diff}
     _reject(P.encode(assignment), P.InvalidField, "'x:c'", "dtype")
     _reject(_edit(P.encode(message), lambda h: h["f"].update(diff_base="xyz")), P.InvalidField, "'diff_base'")
+
+
+# ------------------------------------------------------------------------------------ the declared schema, derived
+def test_every_wire_field_is_declared_once_and_the_type_table_is_derived() -> None:
+    """The framing's tables come from the dataclasses: every header key is one declared attribute, the required keys
+    are the attributes without a default (every key of an assignment), and array kinds follow the declarations."""
+    from dataclasses import fields
+
+    from edge_client.schema import ARRAY, WIRE
+
+    assert set(M.SCHEMAS) == {c.TYPE for c in (*M.FROM_DEVICES, M.Assignment, M.Stop, M.Ack, M.ModelFile)} | {
+        "global_model", "evaluate", "refusal"}  # fmt: skip
+    for t, schema in M.SCHEMAS.items():
+        declared = {f.name for f in fields(schema.cls) if WIRE in f.metadata}
+        assert sorted(attr for attr, _ in schema.fields.values()) == sorted(declared), t
+        no_default = {f.name for f in fields(schema.cls) if f.name in declared and f.default is f.default_factory}
+        required = {attr for key, (attr, _) in schema.fields.items() if key in schema.required}
+        assert required == (declared if t == "assignment" else no_default), t
+        assert set(schema.arrays) == {f.name for f in fields(schema.cls) if ARRAY in f.metadata}, t
+    assert [t for t, s in M.SCHEMAS.items() if s.blob] == ["model", "chunk"]
+    assert {t: s.vector for t, s in M.SCHEMAS.items() if s.vector} == {
+        "update": "delta", "global_model": "weights", "evaluate": "weights"}  # fmt: skip
+    assert sorted(t for t, s in M.SCHEMAS.items() if s.named) == ["assignment", "global_model", "update"]
+
+
+def test_a_declared_field_is_checked_on_the_wire() -> None:
+    """What a declaration says is what decode enforces: a presence's reason (<= 200 chars) and a hello's model."""
+    presence = P.encode(M.Presence("pi-01", False, reason="lost"))
+    _reject(_edit(presence, lambda h: h["f"].update(reason="x" * 201)), P.InvalidField, "'reason'", "200")
+    hello = P.encode(M.Hello("pi-01", 10, model={"digest": "ab" * 32, "layout": [["w", [2, 3], "float32"]]}))
+    assert P.decode(hello).model["layout"] == [["w", [2, 3], "float32"]]
+    for bad in ({"digest": "xyz"}, {"layout": [["w", [-1], "float32"]]}, {"layout": [[b"w", [1], "f"]]}, {"z": 1}):
+        _reject(_edit(hello, lambda h, bad=bad: h["f"].update(model=bad)), P.InvalidField, "'model'")
+
+
+# ------------------------------------------------------------------------------------------------- free-form maps
+HOSTILE_ENTRIES: dict[str, tuple[Any, str]] = {  # key -> (value, reason it is dropped with)
+    "note": (b"\x00", "dropped_type"),
+    "nan": (float("nan"), "dropped_non_finite"),
+    "inf": (float("-inf"), "dropped_non_finite"),
+    "huge": (2**63, "dropped_range"),
+    "long": ("x" * 129, "dropped_range"),
+    "deep": ({"a": {"b": 1}}, "dropped_type"),  # the inner map's own entry "a" is a map: dropped, the rest kept
+    "maps_in_list": ([{"a": 1}], "dropped_type"),
+    "long_list": (list(range(33)), "dropped_range"),
+    "bad key!": (1, "dropped_key"),
+}
+
+
+def _raw_update(metrics: Any) -> bytes:
+    """An honest update frame whose metrics map is ``metrics`` as a hostile device would pack it (no encode checks)."""
+    return _edit(P.encode(_update(metrics={})), lambda h: h["f"].update(metrics=metrics))
+
+
+def test_an_update_keeps_its_honest_metrics_and_drops_each_unsafe_entry_with_its_reason() -> None:
+    honest = {"threads": 4, "before": {"time": 1.5, "temperature_c": None, "throttled_flags": ["under_voltage"]}}
+    hostile = {k: v for k, (v, _) in HOSTILE_ENTRIES.items()}
+    msg = P.decode(_raw_update({**honest, **hostile}))
+    assert isinstance(msg, M.Update)
+    assert msg.metrics == {**honest, "deep": {}}
+    dropped = P.dropped_entries(msg)
+    assert sorted(d.reason for d in dropped) == sorted(r for _, r in HOSTILE_ENTRIES.values())
+    assert all(type(d) is P.DroppedEntry and "update: metrics." in str(d) for d in dropped)
+    assert "metrics.note" in str(dropped[0]) and "bytes" in str(dropped[0])
+    json.dumps(msg.metrics, allow_nan=False)  # what is kept is strict JSON
+
+
+def test_a_map_keeps_at_most_its_declared_keys_and_bytes() -> None:
+    many = {f"k{i}": i for i in range(40)}
+    msg = P.decode(_raw_update(many))
+    assert list(msg.metrics) == [f"k{i}" for i in range(32)]
+    assert [d.reason for d in P.dropped_entries(msg)] == ["dropped_count"] * 8
+    big = {f"s{i}": "x" * 128 for i in range(32)}  # 32 x ~135 bytes of JSON: over the 4096 of a hello's facts
+    hello = P.decode(_edit(P.encode(M.Hello("pi-01", 10)), lambda h: h["f"].update(device=big)))
+    assert 0 < len(hello.device) < 32 and len(json.dumps(hello.device, separators=(",", ":"))) <= 4096
+    assert {d.reason for d in P.dropped_entries(hello)} == {"dropped_bytes"}
+
+
+def test_a_hello_drops_unsafe_device_facts_and_registers() -> None:
+    frame = _edit(P.encode(M.Hello("pi-01", 10)), lambda h: h["f"].update(device={"hostname": "pi", "x": b"\xff"}))
+    hello = P.decode(frame)
+    assert hello.device == {"hostname": "pi"} and [d.reason for d in P.dropped_entries(hello)] == ["dropped_type"]
+    deep = _edit(P.encode(M.Hello("pi-01", 10)), lambda h: h["f"].update(device={"os": {"name": "linux"}}))
+    assert P.decode(deep).device == {}  # facts are flat: a map in them is dropped
+
+
+def test_not_a_map_refuses_the_message() -> None:
+    _reject(_raw_update([1, 2]), P.InvalidField, "'metrics'", "map")
+
+
+@pytest.mark.parametrize("bad", ["0.9", True, None, [0.9], {"a": 1}, 2**60, "bad key!"])
+def test_evaluation_metrics_and_update_extras_refuse_what_is_not_a_number(bad: Any) -> None:
+    """Numbers the server combines or checks against a contract: a missing entry would change the decision, so the
+    message is refused (NaN passes here: the evaluation and the contract refuse it with their own reason)."""
+    key, value = ("bad key!", 0.5) if bad == "bad key!" else ("accuracy", bad)
+    report = P.encode(M.Evaluation(3, "pi-01", 50, 0.5, {"accuracy": 0.9}))
+    _reject(_edit(report, lambda h: h["f"].update(metrics={key: value})), P.InvalidField, "metrics")
+    _reject(_edit(GOOD, lambda h: h["f"].update(extras={key: value})), P.InvalidField, "extras")
+    nan = P.decode(_edit(report, lambda h: h["f"].update(metrics={"accuracy": float("nan")})))
+    assert math.isnan(nan.metrics["accuracy"])
+
+
+def test_encode_leaves_out_what_a_device_may_not_send_and_refuses_bad_numbers() -> None:
+    """A sensor's NaN does not stop an honest device's update: encode sends it without the entry."""
+    sent = P.decode(P.encode(_update(metrics={"t": np.float32(51.5), "bad": float("nan"), "flags": ("a",)})))
+    assert sent.metrics == {"t": 51.5, "flags": ["a"]} and P.dropped_entries(sent) == []
+    with pytest.raises(P.InvalidField, match="extras"):
+        P.encode(_update(extras={"beta": "0.3"}))
+
+
+JSON_LEAVES = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=140)
+WIRE_VALUES = st.recursive(JSON_LEAVES | st.binary(max_size=4), lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), WIRE_VALUES, max_size=40))
+def test_whatever_a_device_packs_in_its_metrics_what_is_kept_is_bounded_strict_json(metrics: dict[str, Any]) -> None:
+    try:
+        msg = P.decode(_raw_update(metrics))
+    except P.MalformedMessage:  # over the 64 KiB header
+        return
+    assert isinstance(msg, M.Update) and len(msg.metrics) <= 32
+    text = json.dumps(msg.metrics, allow_nan=False, separators=(",", ":"))  # no bytes, NaN, Inf or huge int survives
+    assert len(text) <= 8192
+    for value in msg.metrics.values():
+        for leaf in value.values() if isinstance(value, dict) else [value]:
+            assert not isinstance(leaf, dict)  # one level of maps at most
+            assert all(not isinstance(x, list | dict) for x in (leaf if isinstance(leaf, list) else []))
+    said = [str(d) for d in P.dropped_entries(msg)]
+    for key in set(metrics) - set(msg.metrics):  # every entry not kept was dropped with its reason
+        assert any(text.startswith((f"update: metrics.{key}: ", f"update: metrics.{key}[")) for text in said), key
+
+
+# ------------------------------------------------------------------------------------------------- the docs table
+def test_docs_reliability_holds_the_generated_table_of_every_field_a_device_sends() -> None:
+    """Regenerate with: python -c "import edge_client.messages as m; print(m.device_fields_table())" and paste it
+    between the markers of docs/reliability.md."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    begin, end = "<!-- device-fields:begin -->\n", "\n<!-- device-fields:end -->"
+    assert doc.count(begin) == 1 and doc.count(end) == 1
+    assert doc[doc.index(begin) + len(begin) : doc.index(end)] == M.device_fields_table()
+    table = M.device_fields_table()
+    for cls in M.FROM_DEVICES:  # every declared field of every type a device sends has its row
+        for key in M.SCHEMAS[cls.TYPE].fields:
+            assert f"| `{cls.TYPE}` | `{key}` |" in table

@@ -20,8 +20,7 @@ from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.models import build_model, get_flat, num_params
-from edge_client.protocol import (
+from edge_client.messages import (
     Ack,
     Assignment,
     Failure,
@@ -33,9 +32,10 @@ from edge_client.protocol import (
     Resync,
     Stop,
     Update,
-    encode,
     model_digest,
 )
+from edge_client.models import build_model, get_flat, num_params
+from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink

@@ -10,21 +10,8 @@ import numpy as np
 import pytest
 from conftest import make_update
 
-from edge_client.protocol import (
-    Ack,
-    Assignment,
-    Chunk,
-    Hello,
-    InvalidField,
-    Message,
-    Presence,
-    Resync,
-    Stop,
-    Update,
-    decode,
-    encode,
-    model_digest,
-)
+from edge_client.messages import Ack, Assignment, Chunk, Hello, Message, Presence, Resync, Stop, Update, model_digest
+from edge_client.protocol import InvalidField, decode, encode
 from edge_client.session import RESEND_FIRST_S, Session
 from edge_client.topics import Topics
 from server.admission import RoundState

@@ -16,8 +16,9 @@ from edge_client.algorithms import client_algorithm
 from edge_client.data import ArrayDataset, BatchSampler, load_local_data, split_holdout
 from edge_client.factories import AllowedCode, FactoryError, load_factory
 from edge_client.flat import FlatModel
+from edge_client.messages import Evaluation
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
-from edge_client.protocol import Evaluation, ProtocolError
+from edge_client.protocol import ProtocolError
 from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate, task_loss
 from edge_client.trainer import plan_for, train_local
 from server.broker import Broker

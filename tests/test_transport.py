@@ -18,20 +18,19 @@ import numpy as np
 import pytest
 
 from edge_client import chunking
-from edge_client.protocol import (
+from edge_client.messages import (
     Assignment,
     Failure,
     GlobalModel,
     Hello,
     Message,
-    MessageTooLarge,
     ModelRequest,
     Presence,
     Stop,
     Update,
-    encode,
     model_digest,
 )
+from edge_client.protocol import MessageTooLarge, encode
 from edge_client.topics import Topics
 from edge_client.transport import PUBLISH_OVERHEAD, LinkConfig, MqttLink
 from server.broker import Broker, Credentials

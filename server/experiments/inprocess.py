@@ -27,7 +27,7 @@ from paho.mqtt.client import topic_matches_sub
 
 from edge_client.data import load_local_data, split_holdout
 from edge_client.factories import AllowedCode, factory_modules
-from edge_client.protocol import Message
+from edge_client.messages import Message
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import prepare_process

@@ -25,7 +25,7 @@ import numpy as np
 
 from edge_client.contract import Contract, vector_norm
 from edge_client.data import ArrayDataset
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from edge_client.tasks import TASKS, Task
 from server.strategies.running import RunningMean
 from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore

@@ -31,8 +31,8 @@ from edge_client.algorithms.drag_br import CONTRACT, PAPER_ROOT_SIZE
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import Update
 from edge_client.models import build_model
-from edge_client.protocol import Update
 from edge_client.tasks import task_loss
 from edge_client.trainer import Plan, train_local
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.fednova import CONTRACT
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, fold_weight
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from edge_client.algorithms.fedveca import CONTRACT
 from edge_client.contract import ContractError
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import EPS, aggregation_weights, fold_weight
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.scaffold import CONTRACT
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 

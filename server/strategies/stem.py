@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.stem import CONTRACT
-from edge_client.protocol import Assignment, Update
+from edge_client.messages import Assignment, Update
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 

@@ -23,7 +23,7 @@ from typing import IO
 import numpy as np
 
 from edge_client.contract import vector_norm
-from edge_client.protocol import Update
+from edge_client.messages import Update
 from server.strategies.common import axpy
 from server.strategies.running import RunningMean
 
