@@ -24,7 +24,8 @@ from conftest import connect_client, make_config
 from fakes import FakeDevice, zero_update
 from paho.mqtt.client import Client
 
-from edge_client.protocol import Ack, Assignment, Hello, ModelRequest, Resync, encode
+from edge_client.messages import Ack, Assignment, Hello, ModelRequest, Resync
+from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
