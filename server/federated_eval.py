@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.protocol import DuplicateMessage, Evaluation, InvalidField, NonFiniteValues, OutOfRound
+from edge_client.protocol import (
+    DuplicateMessage,
+    Evaluation,
+    InvalidField,
+    NonFiniteValues,
+    OutOfRound,
+    ProtocolError,
+)
 from edge_client.tasks import Task, combine_reports
 from server.admission import WrongSampleCount
 from server.config import EvalSection
@@ -92,6 +99,15 @@ class FederatedEvaluation:
             raise OutOfRound(f"evaluation from {sender} for round {report.round} of run {report.run_id!r} during {now}")
         if sender in state.received:
             raise DuplicateMessage(f"second evaluation from {sender} for round {state.round}")
+        try:
+            self._judge(sender, report, registered)
+        except ProtocolError as exc:  # its one report is refused: not waited for
+            state.failed.setdefault(sender, f"rejected: {exc.reason}")
+            raise
+        state.received[sender] = report
+
+    def _judge(self, sender: str, report: Evaluation, registered: int) -> None:
+        """Raise the ProtocolError that refuses the content of ``sender``'s report."""
         if report.num_samples != registered:
             raise WrongSampleCount(
                 f"{sender} evaluated on {report.num_samples} samples; it registered {registered} held out"
@@ -105,7 +121,6 @@ class FederatedEvaluation:
                 raise NonFiniteValues(f"{sender}: evaluation {name} = {value!r} is not a finite number")
             if why := self.task.out_of_range(name, value):
                 raise OutOfRange(f"{sender}: evaluation {why}")
-        state.received[sender] = report
 
     def failed(self, sender: str, round_: int, reason: str) -> bool:
         """Note that ``sender`` cannot evaluate this round; False when no such request is in progress."""

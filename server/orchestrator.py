@@ -663,6 +663,7 @@ class Orchestrator:
             }
             if dropped:
                 row["dropped"] = dropped
+            rejected_before = Counter(self.link.rejections)  # the devices' evaluation counts in the next row
             due = self.federated.due(round_)
             # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
             evaluation = (
@@ -677,7 +678,6 @@ class Orchestrator:
                 if client_eval is not None:
                     row["client_eval"] = client_eval
             self._forget_refused()
-            rejected_before = Counter(self.link.rejections)
             previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
             if previous is not None and self._record(previous, metrics, exporter):
                 break
