@@ -153,7 +153,7 @@ class Admission:
         if update.num_samples != registered:
             raise WrongSampleCount(f"{sender} claims {update.num_samples} samples; it registered with {registered}")
         bound, setting = self.norm_bound(update.local_steps)
-        norm, problems = checked_norm(f"{sender}: delta", update.delta, self.num_params, bound)
+        norm, problems = checked_norm("delta", update.delta, self.num_params, bound)
         if problems and problems[0][0] == "norm":
             problems = [("norm", f"{problems[0][1]} ({setting})")]
         problems += self.contract.check_returned(self.params, update.extras, update.arrays, self.num_params)
