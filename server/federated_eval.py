@@ -1,6 +1,6 @@
 """Federated evaluation: the devices evaluate the global model on their held-out splits and the server combines their
-reports, weighted by samples with no device above ``clients.max_weight_share`` of the total (``server.weight_share``)
-(``[eval] mode = "clients"`` or ``"both"``).
+reports, weighted by samples (``[eval] mode = "clients"`` or ``"both"``); no device weighs more than
+``clients.max_weight_share`` of the reports combined (``server.weight_share``).
 
 After a round's aggregate, every ``[eval] every``-th round (and the last), the server sends an ``Evaluate`` with the
 new weights to the devices that registered a held-out split (all online ones, or only the round's selected), waits

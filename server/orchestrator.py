@@ -17,7 +17,10 @@ link's queue, so a flood from one device cannot crowd out another's upload. Of w
 loop takes it, the link holds 32 MiB in memory and the rest waits in a file in the run directory
 (``edge_client.transport.Spool``), so the server's memory does not grow with the number of devices that upload at
 once. An admitted update is folded into the strategy's running sums at once and only its scalars are kept, so the
-server does not hold a round's updates. An aggregate that is still not finite drops the round (the model stays as it
+server does not hold a round's updates; its sample weight is capped relative to the round's selected devices
+(``clients.max_weight_share``, ``server.weight_share``). A device refused at registration while it serves a round (a
+hello with another model) stays known, refused and offline, until that round closes, so no lookup of the round loses
+it. An aggregate that is still not finite drops the round (the model stays as it
 was, the strategy's state is restored): a run never ends because of what a client sent.
 
 The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
