@@ -122,7 +122,7 @@ class Hello:
     # The device's own model for the server's spec (checked at registration), and the size of the split it holds
     # out for federated evaluation.
     model: dict[str, Any] = on_wire(MODEL_STATEMENT, factory=dict, note="must be the server's model, else model")
-    eval_samples: int = on_wire(NONNEG, default=0)
+    eval_samples: int = on_wire(NONNEG, default=0, note="<= clients.max_samples, else num_samples (not registered)")
     msg_id: str = field(default_factory=new_msg_id)
     dropped: list[tuple[str, str]] = _dropped()
     TYPE: ClassVar[str] = "hello"
@@ -175,13 +175,17 @@ class Update:
     round: int = on_wire(NONNEG, note="the round in progress, else out_of_round")
     model_version: int = on_wire(NONNEG, note="the round's model version, else model_version")
     client_id: str = on_wire(CID, note=SENDER)
-    num_samples: int = on_wire(NONNEG, note="the samples it registered with, else num_samples")
+    num_samples: int = on_wire(
+        NONNEG, note="the samples it registered with, else num_samples; its weight capped at clients.max_weight_share"
+    )
     local_steps: int = on_wire(NONNEG, note="the steps it was assigned, else steps")
     compute_s: float = on_wire(number(0.0))
     cpu_s: float = on_wire(number(0.0))
     train_loss: float = on_wire(number(finite=False))  # a diverged client may still report its NaN loss
     delta: np.ndarray = vector(
-        "the model's length, finite (else non_finite), norm <= train.max_update_norm (else norm)", compressed=True
+        "the model's length, finite (else non_finite), norm <= train.max_update_norm and <= train.max_norm_ratio x the "
+        "previous round's median norm per step x its steps (else norm)",
+        compressed=True,
     )
     # the device's telemetry of the round (edge_client.device snapshots before and after training, upload times)
     metrics: dict[str, Any] = on_wire(
@@ -392,11 +396,14 @@ class Evaluation:
     client_id: str = on_wire(CID, note=SENDER)
     num_samples: int = on_wire(NONNEG, note="the held-out samples it registered, else num_samples")
     # a diverged model's loss is reported as it is (and refused at admission)
-    loss: float = on_wire(number(finite=False), note="finite, else non_finite")
+    loss: float = on_wire(
+        number(finite=False), note="finite (else non_finite), in the task's range (else metric_range)"
+    )
     metrics: dict[str, Any] = on_wire(
         FreeMap(max_bytes=2048, numbers=True, finite=False, drop=False),
         factory=dict,
-        note="the task's metric names (else invalid_field), finite (else non_finite)",
+        note="the task's metric names (else invalid_field), finite (else non_finite), in their ranges "
+        "(else metric_range)",
     )
     eval_s: float = on_wire(number(0.0), default=0.0)
     cpu_s: float = on_wire(number(0.0), default=0.0)

@@ -9,6 +9,9 @@ Metrics are means over the samples of one split, so the server combines the devi
 mean (``combine_reports``); a metric that is not such a mean is derived again afterwards (``Task.derive``: RMSE from
 the pooled MSE). A binary task's AUC is not a mean: across devices it is the sample-weighted mean of each device's
 AUC, an approximation of the pooled AUC that the server's own test set (``[eval] mode = "server"``) computes exactly.
+
+Each task declares the range of its loss and of every metric (``Task.ranges``: accuracy and AUC in [0, 1], losses and
+errors >= 0): a device's evaluation report outside them is refused before it is combined (``Task.out_of_range``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ class Task:
     """A task: ``loss(outputs, targets)`` is the mean loss of a batch (differentiable); ``metrics(outputs, targets)``
     the metrics of a whole split, each a mean over its samples unless ``derive`` recomputes it from the combined means;
     ``higher_is_better`` names every metric ``metrics`` returns; ``check_targets`` says what is wrong with a device's
-    labels for this task (None when they fit)."""
+    labels for this task (None when they fit); ``ranges`` bounds ``loss`` and any metric, ``(low, high)`` inclusive,
+    so a device's report outside them is refused (a name left out is only required to be finite: a factory task
+    declares what it knows)."""
 
     name: str
     loss: LossFn
@@ -46,10 +51,19 @@ class Task:
     higher_is_better: Mapping[str, bool]
     derive: Callable[[dict[str, float]], dict[str, float]] | None = None
     check_targets: Callable[[np.ndarray], str | None] | None = field(default=None, compare=False)
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.main_metric != "loss" and self.main_metric not in self.higher_is_better:
             raise ValueError(f"task {self.name!r}: main_metric {self.main_metric!r} is not one of its metrics")
+        unknown = sorted(set(self.ranges) - {"loss", *self.higher_is_better})
+        if unknown or any(not low <= high for low, high in self.ranges.values()):
+            raise ValueError(f"task {self.name!r}: ranges must be (low, high) of loss or its metrics: {self.ranges}")
+
+    def out_of_range(self, name: str, value: float) -> str | None:
+        """Why ``value`` cannot be this task's ``name`` (None when it is within its declared range)."""
+        low, high = self.ranges.get(name, (-math.inf, math.inf))
+        return None if low <= value <= high else f"{self.name} {name} = {value!r} is outside [{low:g}, {high:g}]"
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -139,17 +153,21 @@ def _cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(outputs, targets.long())
 
 
+FRACTION = (0.0, 1.0)  # a share of samples, or an AUC
+NON_NEGATIVE = (0.0, math.inf)  # a loss or an error
+
 TASKS: dict[str, Task] = {
     "classification": Task(
         "classification", _cross_entropy, _classification_metrics, "accuracy", {"accuracy": True},
-        check_targets=_class_labels,
+        check_targets=_class_labels, ranges={"loss": NON_NEGATIVE, "accuracy": FRACTION},
     ),
     "regression": Task(
         "regression", _mse, _regression_metrics, "rmse", {"mae": False, "rmse": False}, _rmse_from_loss,
-        check_targets=_numeric_targets,
+        check_targets=_numeric_targets, ranges={"loss": NON_NEGATIVE, "mae": NON_NEGATIVE, "rmse": NON_NEGATIVE},
     ),
     "binary": Task(
-        "binary", _bce, _binary_metrics, "auc", {"accuracy": True, "auc": True}, check_targets=_binary_labels
+        "binary", _bce, _binary_metrics, "auc", {"accuracy": True, "auc": True}, check_targets=_binary_labels,
+        ranges={"loss": NON_NEGATIVE, "accuracy": FRACTION, "auc": FRACTION},
     ),
 }  # fmt: skip
 

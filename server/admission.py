@@ -6,17 +6,21 @@ or for another round (``out_of_round``), from a client not selected (``out_of_ro
 trained on a model version the round never sent (``model_version``), claims more local steps than it was told or none
 (``steps``), claims another sample count than its client registered with (``num_samples``: data-size weights come from
 the registration, never from an update), or carries a ``delta`` or any other array that is mis-shaped (``shape``), not
-finite (``non_finite``) or above its norm bound (``norm``: ``train.max_update_norm`` for ``delta``, ``max_norm_<array>``
-for the contract's arrays), a value its contract does not declare, lacks or bounds
-(``invalid_field``/``missing_field``), or an array compressed otherwise than its device was told and its contract
-allows (``codec``: float32 is always accepted). Arrays are judged as decoded: a compressed payload that does not
-decode never gets this far."""
+finite (``non_finite``) or above its norm bound (``norm``: for ``delta`` the fixed ``train.max_update_norm`` and, from
+the second round on, ``train.max_norm_ratio`` x the median norm per local step of the previous round's admitted deltas
+x the update's steps, whichever is lower; ``max_norm_<array>`` for the contract's arrays), a value its contract does
+not declare, lacks or bounds (``invalid_field``/``missing_field``), or an array compressed otherwise than its device
+was told and its contract allows (``codec``: float32 is always accepted). Arrays are judged as decoded: a compressed
+payload that does not decode never gets this far."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from edge_client.codecs import FP32, CodecSpec
 from edge_client.contract import Contract, checked_norm
@@ -80,22 +84,53 @@ class RoundState:
     failed: dict[str, str] = field(default_factory=dict)  # client -> the reason it reported for not serving
     deadline_s: float = 0.0
     codecs: dict[str, CodecSpec] = field(default_factory=dict)  # client -> the upload codec it was told (else fp32)
+    step_norms: dict[str, float] = field(default_factory=dict)  # client -> |delta| / local steps of its admitted update
 
 
 class Admission:
     """The gate between the link and the strategy, for one run's contract, settings and model size."""
 
-    def __init__(self, contract: Contract, params: Mapping[str, Any], num_params: int, max_update_norm: float) -> None:
+    def __init__(
+        self,
+        contract: Contract,
+        params: Mapping[str, Any],
+        num_params: int,
+        max_update_norm: float,
+        max_norm_ratio: float = math.inf,
+    ) -> None:
         self.contract = contract
         self.params = params
         self.num_params = num_params
         self.max_update_norm = max_update_norm
+        self.max_norm_ratio = max_norm_ratio
+        # the median |delta| per local step of the last round that admitted a moving update (None: no such round yet)
+        self.reference: float | None = None
+
+    def norm_bound(self, steps: int) -> tuple[float, str]:
+        """The bound on the norm of a delta of ``steps`` local steps, and the setting it comes from: relative to the
+        previous round, a multiple of what the honest majority moved, never above the fixed outer limit."""
+        if self.reference is not None and math.isfinite(self.max_norm_ratio):
+            relative = self.max_norm_ratio * self.reference * steps
+            if relative < self.max_update_norm:
+                return relative, (
+                    f"train.max_norm_ratio {self.max_norm_ratio:g} x {self.reference:.4g}, the previous round's median "
+                    f"norm per step, x {steps} steps"
+                )
+        return self.max_update_norm, "train.max_update_norm"
+
+    def close(self, state: RoundState) -> None:
+        """Take the round's admitted norms as the next round's reference (kept when none moved: zero deltas say
+        nothing of an honest step's size)."""
+        moved = [n for n in state.step_norms.values() if n > 0]
+        if moved:
+            self.reference = float(np.median(moved))
 
     def check(
         self, sender: str, update: Update, state: RoundState | None, registered: int | None, run_id: str
     ) -> float:
         """Raise the ProtocolError that rejects ``update``, or return the norm of its ``delta`` when it may reach the
-        strategy (measured here anyway, so the strategies that need it do not read the delta once more)."""
+        strategy (measured here anyway, so the strategies that need it do not read the delta once more) and note it in
+        ``state`` for the next round's relative bound."""
         if update.client_id != sender:
             raise InvalidField(f"update on the topic of {sender!r} claims client id {update.client_id!r}")
         if update.run_id != run_id:
@@ -117,14 +152,16 @@ class Admission:
             raise WrongSteps(f"{sender} claims {update.local_steps} local steps; it was told {assigned}")
         if update.num_samples != registered:
             raise WrongSampleCount(f"{sender} claims {update.num_samples} samples; it registered with {registered}")
-        norm, problems = checked_norm(f"{sender}: delta", update.delta, self.num_params, self.max_update_norm)
+        bound, setting = self.norm_bound(update.local_steps)
+        norm, problems = checked_norm("delta", update.delta, self.num_params, bound)
         if problems and problems[0][0] == "norm":
-            problems = [("norm", problems[0][1] + " (train.max_update_norm)")]
+            problems = [("norm", f"{problems[0][1]} ({setting})")]
         problems += self.contract.check_returned(self.params, update.extras, update.arrays, self.num_params)
         problems += self.codec_problems(sender, update, state.codecs.get(sender, FP32))
         if problems:
             reason, text = problems[0]
             raise _BY_REASON[reason](f"{sender}: {text}")
+        state.step_norms[sender] = norm / update.local_steps
         return norm
 
     def codec_problems(self, sender: str, update: Update, told: CodecSpec) -> list[tuple[str, str]]:

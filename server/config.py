@@ -3,25 +3,29 @@
 ```toml
 [run]        rounds, target_accuracy, target, target_metric, higher_is_better, stop_at_target, seed, out, job
 [clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
-             deadline_floor_s, threads
+             deadline_floor_s, threads, max_samples, max_weight_share
 [data]       dataset ("none": the server holds no data), partition
 [model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
 [eval]       mode = server | clients | both (default: server when the server has a test set), every, devices,
              deadline_s, holdout (simulated devices)
-[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, store_ram_mb,
-             steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s, codec_ladder,
-             downlink_codec
+[train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, max_norm_ratio,
+             store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
+             codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
+
+Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose
+field says ``inf`` switches their check off (``INF_OFF``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +37,8 @@ import tomllib
 from edge_client import codecs
 from edge_client.algorithms import contract_of
 from server.strategies.store import DEFAULT_RAM_BYTES
+
+INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
 
 
 class ConfigError(ValueError):
@@ -72,6 +78,10 @@ class ClientsSection:
     # a device registering with more training samples is refused: data-size weights come from the registration, so an
     # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
     max_samples: int = 10_000_000
+    # The largest share one device may have of a combined value: its sample weight in a round's aggregate (relative to
+    # the round's selected devices) and in a combined device evaluation (relative to the devices that reported). 0.5:
+    # no device outweighs all the others together, while an honest fleet's unequal shards keep their weights.
+    max_weight_share: float = 0.5
 
 
 @dataclass
@@ -101,7 +111,11 @@ class TrainSection:
     weight_decay: float = 0.0
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
-    max_update_norm: float = 1e4
+    max_update_norm: float = field(default=1e4, metadata={INF_OFF: "disables the check"})
+    # ... and above max_norm_ratio x the median norm per local step of the previous round's admitted deltas (x the
+    # update's own steps): one device cannot move the model far more than the round's honest majority; `inf` disables
+    # it (round 1, and the first round after a resume, have only the fixed bound)
+    max_norm_ratio: float = field(default=10.0, metadata={INF_OFF: "disables the check"})
     # MiB of a round's updates that TACO, FoolsGold, DRAG's first round and the TACO-tailored variants keep in RAM
     # until all are in; the rest go to a memory-mapped file in the run directory (0: all of them)
     store_ram_mb: int = DEFAULT_RAM_BYTES >> 20
@@ -164,6 +178,7 @@ class RunConfig:
         return dict(self.algorithm.get(self.train.algorithm, {}))
 
     def validate(self) -> RunConfig:
+        self._validate_finite()
         c = self.clients
         checks = [
             ("run.rounds", self.run.rounds >= 1, "an integer >= 1"),
@@ -186,12 +201,14 @@ class RunConfig:
             ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
             ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
             ("clients.max_samples", self.clients.max_samples >= 1, "an integer >= 1"),
+            ("clients.max_weight_share", 0.0 < c.max_weight_share <= 1.0, "a fraction in (0, 1] (1: no cap)"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
             ("train.batch_size", self.train.batch_size >= 1, "an integer >= 1"),
             ("train.lr", self.train.lr > 0, "a number > 0"),
             ("train.momentum", 0.0 <= self.train.momentum < 1.0, "a number in [0, 1)"),
             ("train.weight_decay", self.train.weight_decay >= 0.0, "a number >= 0"),
             ("train.max_update_norm", self.train.max_update_norm > 0, "a number > 0 (inf disables the check)"),
+            ("train.max_norm_ratio", self.train.max_norm_ratio >= 1, "a number >= 1 (inf disables the check)"),
             ("train.store_ram_mb", self.train.store_ram_mb >= 0, "MiB >= 0 (0: every stored update goes to the file)"),
             ("train.steps_policy", self.train.steps_policy in ("fixed", "deadline"), "'fixed' or 'deadline'"),
             ("train.round_budget_s", self.train.round_budget_s >= 0, "seconds >= 0"),
@@ -252,6 +269,18 @@ class RunConfig:
         self._validate_fleet()
         return self
 
+    def _validate_finite(self) -> None:
+        """Every float of every section is finite, unless its field says what ``inf`` means (nan never is)."""
+        for key, value, f in float_keys(self):
+            inf_off = f.metadata.get(INF_OFF, "")
+            if value is None or math.isfinite(value) or (inf_off and value == math.inf):
+                continue
+            allowed = f" (inf {inf_off})" if inf_off else ""
+            raise ConfigError(
+                f"{key} must be a finite number{allowed}; got {value!r}: set a finite number"
+                + ("" if f.default is None else f" (default {f.default!r})")
+            )
+
     def _validate_steps_policy(self) -> None:
         from server.steps_policy import refusal
 
@@ -276,6 +305,21 @@ class RunConfig:
 
 
 SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def float_keys(config: RunConfig) -> list[tuple[str, float | None, dataclasses.Field[Any]]]:
+    """``(section.key, value, field)`` for every float field of every section dataclass (``field.metadata[INF_OFF]``
+    says what ``inf`` means where it is allowed)."""
+    out = []
+    for section in dataclasses.fields(RunConfig):
+        instance = getattr(config, section.name)
+        if not dataclasses.is_dataclass(instance):
+            continue  # free-form tables ([model], [task], [algorithm.*]): checked by what reads them
+        hints = typing.get_type_hints(type(instance))
+        for f in dataclasses.fields(instance):
+            if float in (hints[f.name], *typing.get_args(hints[f.name])):
+                out.append((f"{section.name}.{f.name}", getattr(instance, f.name), f))
+    return out
 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:

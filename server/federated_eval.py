@@ -1,5 +1,6 @@
 """Federated evaluation: the devices evaluate the global model on their held-out splits and the server combines their
-reports, weighted by samples (``[eval] mode = "clients"`` or ``"both"``).
+reports, weighted by samples (``[eval] mode = "clients"`` or ``"both"``); no device weighs more than
+``clients.max_weight_share`` of the reports combined (``server.weight_share``).
 
 After a round's aggregate, every ``[eval] every``-th round (and the last), the server sends an ``Evaluate`` with the
 new weights to the devices that registered a held-out split (all online ones, or only the round's selected), waits
@@ -8,7 +9,8 @@ report and its evaluation time (device clock, apart from training compute) into 
 
 Nothing a device reports is trusted: a report is refused (and logged, counted by reason) when it is of another run or
 round, from a device not asked, a repeat, claims another sample count than the held-out split the device registered,
-or carries a loss or metric that is not finite or not one of the task's metrics.
+or carries a loss or metric that is not finite, not one of the task's metrics or outside the range the task declares
+for it (``metric_range``: an accuracy of 1e6, a negative loss).
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_client.messages import Evaluation
-from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound
+from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound, ProtocolError
 from edge_client.tasks import Task, combine_reports
 from server.admission import WrongSampleCount
 from server.config import EvalSection
+from server.weight_share import capped_counts
 
 log = logging.getLogger("edgefl.server")
+
+
+class OutOfRange(InvalidField):
+    """A loss or metric outside the range its task declares."""
+
+    reason = "metric_range"
 
 
 @dataclass
@@ -42,8 +51,9 @@ class EvalRound:
 class FederatedEvaluation:
     """Who evaluates, the admission of their reports and the combined result, for one run's task."""
 
-    def __init__(self, task: Task, settings: EvalSection, rounds: int) -> None:
+    def __init__(self, task: Task, settings: EvalSection, rounds: int, max_weight_share: float) -> None:
         self.task, self.settings, self.rounds = task, settings, rounds
+        self.max_weight_share = max_weight_share
         self.current: EvalRound | None = None
 
     def due(self, round_: int) -> bool:
@@ -83,6 +93,15 @@ class FederatedEvaluation:
             raise OutOfRound(f"evaluation from {sender} for round {report.round} of run {report.run_id!r} during {now}")
         if sender in state.received:
             raise DuplicateMessage(f"second evaluation from {sender} for round {state.round}")
+        try:
+            self._judge(sender, report, registered)
+        except ProtocolError as exc:  # its one report is refused: not waited for
+            state.failed.setdefault(sender, f"rejected: {exc.reason}")
+            raise
+        state.received[sender] = report
+
+    def _judge(self, sender: str, report: Evaluation, registered: int) -> None:
+        """Raise the ProtocolError that refuses the content of ``sender``'s report."""
         if report.num_samples != registered:
             raise WrongSampleCount(
                 f"{sender} evaluated on {report.num_samples} samples; it registered {registered} held out"
@@ -94,7 +113,8 @@ class FederatedEvaluation:
         for name, value in values.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise NonFiniteValues(f"{sender}: evaluation {name} = {value!r} is not a finite number")
-        state.received[sender] = report
+            if why := self.task.out_of_range(name, value):
+                raise OutOfRange(f"{sender}: evaluation {why}")
 
     def failed(self, sender: str, round_: int, reason: str) -> bool:
         """Note that ``sender`` cannot evaluate this round; False when no such request is in progress."""
@@ -113,8 +133,9 @@ class FederatedEvaluation:
             log.warning("round %d: %s did not evaluate (%s); combining without it", state.round, cid, why)
         if not reports:
             return None
+        weights = capped_counts({cid: r.num_samples for cid, r in reports.items()}, self.max_weight_share)
         combined = combine_reports(
-            self.task, [(r.num_samples, {"loss": r.loss, **r.metrics}) for r in reports.values()]
+            self.task, [(weights[cid], {"loss": r.loss, **r.metrics}) for cid, r in reports.items()]
         )
         return {
             **combined,
@@ -123,6 +144,7 @@ class FederatedEvaluation:
             "missing": sorted(state.asked - set(reports)),
             "devices": {
                 cid: {"num_samples": r.num_samples, "loss": r.loss, **r.metrics, "eval_s": r.eval_s, "cpu_s": r.cpu_s}
+                | ({"weight_samples": weights[cid]} if weights[cid] != r.num_samples else {})  # capped
                 for cid, r in sorted(reports.items())
             },
         }

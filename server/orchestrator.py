@@ -17,7 +17,10 @@ link's queue, so a flood from one device cannot crowd out another's upload. Of w
 loop takes it, the link holds 32 MiB in memory and the rest waits in a file in the run directory
 (``edge_client.transport.Spool``), so the server's memory does not grow with the number of devices that upload at
 once. An admitted update is folded into the strategy's running sums at once and only its scalars are kept, so the
-server does not hold a round's updates. An aggregate that is still not finite drops the round (the model stays as it
+server does not hold a round's updates; its sample weight is capped relative to the round's selected devices
+(``clients.max_weight_share``, ``server.weight_share``). A device refused at registration while it serves a round (a
+hello with another model) stays known, refused and offline, until that round closes, so no lookup of the round loses
+it. An aggregate that is still not finite drops the round (the model stays as it
 was, the strategy's state is restored): a run never ends because of what a client sent.
 
 The deadline is ``clients.round_deadline_s``, or derived from what each selected client is predicted to need
@@ -54,6 +57,7 @@ from edge_client.messages import (
     Message,
     ModelFile,
     ModelRequest,
+    OutOfRound,
     Presence,
     Refusal,
     Resync,
@@ -86,6 +90,7 @@ from server.strategies import ServerContext, Strategy, TrainSettings, make_strat
 from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
 from server.timeline import plot_timeline
+from server.weight_share import capped_counts
 
 log = logging.getLogger("edgefl.server")
 PRESENCE_REPLY_S = 10.0  # the least time between two presences sent to one device that registers without its model
@@ -114,6 +119,7 @@ class ClientRecord:
     device: dict[str, Any] = field(default_factory=dict)
     online: bool = True
     eval_samples: int = 0  # the held-out split it evaluates on
+    refused: str = ""  # why its last hello was refused: kept, offline, until the round it is part of closes
 
 
 class ModelMismatch(InvalidField):
@@ -174,10 +180,11 @@ class Orchestrator:
         self.task = build_task(config.task)
         self.eval_mode = eval_mode(config, evaluator is not None)
         self.target = run_target(config, self.task, self.eval_mode)
-        self.federated = FederatedEvaluation(self.task, config.eval, config.run.rounds)
+        self.federated = FederatedEvaluation(self.task, config.eval, config.run.rounds, config.clients.max_weight_share)
         self.admission = Admission(
-            self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm
-        )
+            self.strategy.contract, self.strategy.params, self.num_params, config.train.max_update_norm,
+            config.train.max_norm_ratio,
+        )  # fmt: skip
         self._presence_sent: dict[str, float] = {}  # when each device was last sent the presence on its own topic
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
         self.times = times or DeviceTimes()  # each client's measured speed and transfers: deadlines and steps
@@ -274,7 +281,7 @@ class Orchestrator:
                 log.info("round %d: %s trained %d steps without uploading, compute %.3f s", entry["round"], sender,
                          msg.local_steps, msg.compute_s)  # fmt: skip
             elif isinstance(msg, Evaluation):
-                record = self.clients.get(sender)
+                record = self._known(sender)
                 self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
             elif isinstance(msg, Resync):
                 self._resync(sender, msg)
@@ -290,11 +297,13 @@ class Orchestrator:
     def _register(self, sender: str, hello: Hello) -> None:
         if hello.client_id != sender:
             raise InvalidField(f"hello on the topic of {sender!r} claims client id {hello.client_id!r}")
-        if hello.num_samples > self.config.clients.max_samples:
-            raise WrongSampleCount(
-                f"{sender} registers with {hello.num_samples} samples, more than clients.max_samples "
-                f"({self.config.clients.max_samples}); not registered"
-            )
+        limit = self.config.clients.max_samples
+        for what, count in (("training", hello.num_samples), ("held-out", hello.eval_samples)):
+            if count > limit:
+                raise WrongSampleCount(
+                    f"{sender} registers with {count} {what} samples, more than clients.max_samples ({limit}); "
+                    "not registered"
+                )
         self._check_model(sender, hello)
         known = self.clients.get(sender)
         self.clients[sender] = ClientRecord(sender, hello.num_samples, hello.device, True, hello.eval_samples)
@@ -327,23 +336,51 @@ class Orchestrator:
             detail = f"its model differs from the server's: {layout_difference(self.layout, stated.get('layout'))}"
         refusal = Refusal(sender, "model", detail[:2000])
         self.link.publish(self.topics.down(sender), encode(refusal))
-        self.clients.pop(sender, None)
-        self.client_samples.pop(sender, None)
+        self._refuse(sender, "model")
         raise ModelMismatch(f"{sender} refused at registration: {detail}")
+
+    def _refuse(self, sender: str, reason: str) -> None:
+        """Forget a refused device, or, while a round it was told to serve is open, keep it known but refused and
+        offline (not waited for, its update refused) so that every lookup of the round still finds it."""
+        state, record = self.current, self.clients.get(sender)
+        if record is None:
+            return
+        if state is None or sender not in state.assigned_steps:
+            self.clients.pop(sender)
+            self.client_samples.pop(sender, None)
+            return
+        record.online, record.refused = False, reason
+        if sender not in state.received:
+            state.failed.setdefault(sender, f"refused: {reason}")
+        self.live.presence(sender, False)
+
+    def _known(self, sender: str) -> ClientRecord | None:
+        """The record of a registered device that was not refused since."""
+        record = self.clients.get(sender)
+        return None if record is None or record.refused else record
+
+    def _forget_refused(self) -> None:
+        """Once the round they were part of closed, the refused devices are forgotten."""
+        for cid in [c for c, record in self.clients.items() if record.refused]:
+            del self.clients[cid]
+            self.client_samples.pop(cid, None)
 
     def _presence(self, sender: str, presence: Presence) -> None:
         if presence.client_id != sender:
             raise InvalidField(f"presence on the topic of {sender!r} claims client id {presence.client_id!r}")
-        record = self.clients.get(sender)
+        record = self._known(sender)  # a refused device stays offline whatever it says
         if record is not None and record.online != presence.online:
             record.online = presence.online
             self.live.presence(sender, presence.online)
             log.info("client %s is %s (%s)", sender, "online" if presence.online else "offline", presence.reason)
 
     def _accept(self, topic: str, sender: str, update: Update) -> None:
-        state = self.current
+        state, record = self.current, self._known(sender)
         try:
-            norm = self.admission.check(sender, update, state, self.client_samples.get(sender), self.run_id)
+            if record is None and sender in self.clients:
+                raise OutOfRound(f"{sender} was refused at registration ({self.clients[sender].refused}) this round")
+            registered = record.num_samples if record else None
+            norm = self.admission.check(sender, update, state, registered, self.run_id)
         except ProtocolError as exc:
             owed = state is not None and update.round == state.round and sender in state.selected
             if owed and sender not in state.received:  # its one update of the round is refused: do not wait for it
@@ -395,6 +432,11 @@ class Orchestrator:
     # -- phases ------------------------------------------------------------------------------------------------------
     def online(self) -> list[str]:
         return sorted(c for c, rec in self.clients.items() if rec.online)
+
+    def _is_online(self, cid: str) -> bool:
+        """Whether ``cid`` is registered and online (a refused or forgotten device is not)."""
+        record = self.clients.get(cid)
+        return record is not None and record.online
 
     def wait_for_clients(self, count: int) -> None:
         deadline = time.monotonic() + self.config.clients.register_timeout_s
@@ -460,15 +502,14 @@ class Orchestrator:
         deadline = time.monotonic() + state.deadline_s
         while True:
             waiting = [
-                c for c in state.selected
-                if c not in state.received and c not in state.failed and self.clients[c].online
-            ]  # fmt: skip
+                c for c in state.selected if c not in state.received and c not in state.failed and self._is_online(c)
+            ]
             remaining = deadline - time.monotonic()
             if not waiting or remaining <= 0:
                 break
             self._pump(min(remaining, 1.0))
         for cid in sorted(state.selected - set(state.received) - set(state.failed)):
-            why = "went offline" if not self.clients[cid].online else f"missed the {state.deadline_s:.1f} s deadline"
+            why = "went offline" if not self._is_online(cid) else f"missed the {state.deadline_s:.1f} s deadline"
             log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
 
     def run(self) -> dict[str, Any]:
@@ -601,7 +642,10 @@ class Orchestrator:
             self.live.round_started(round_, t0 - start, told)
             assert state is not None
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
+            registered = {c: self.clients[c].num_samples for c in state.selected}
+            self.folding.sample_weights = capped_counts(registered, self.config.clients.max_weight_share)
             self._collect(state)
+            self.admission.close(state)
             self.current, folding, self.folding = None, self.folding, None
             updates = [state.received[c] for c in sorted(state.received)]  # without their vectors
             t_agg = time.monotonic()
@@ -634,6 +678,7 @@ class Orchestrator:
             }
             if dropped:
                 row["dropped"] = dropped
+            rejected_before = Counter(self.link.rejections)  # the devices' evaluation counts in the next row
             due = self.federated.due(round_)
             # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
             evaluation = (
@@ -647,7 +692,7 @@ class Orchestrator:
                 row["client_eval_wait_s"] = time.monotonic() - t_clients  # server clock: request, evaluation, reports
                 if client_eval is not None:
                     row["client_eval"] = client_eval
-            rejected_before = Counter(self.link.rejections)
+            self._forget_refused()
             previous, produced = produced, Produced(row, weights, version, pack_state(self.strategy), evaluation)
             if previous is not None and self._record(previous, metrics, exporter):
                 break
@@ -699,19 +744,24 @@ class Orchestrator:
         for cid in asked:
             self.link.publish(self.topics.down(cid), frame)
         state = EvalRound(round_, set(asked))
-        self.federated.collect(state, self._pump, lambda c: self.clients[c].online)
+        self.federated.collect(state, self._pump, self._is_online)
         return self.federated.result(state)
 
     def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
+        """One admitted update's line in the round's row (``u`` as folded: its sample count is the weight it had)."""
         bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)
+        record = self.clients.get(u.client_id)
+        registered = record.num_samples if record else u.num_samples
+        capped = {"weight_samples": u.num_samples} if u.num_samples != registered else {}
         return {
-            "device_class": device_class(self.clients[u.client_id].device),
+            "device_class": device_class(record.device if record else {}),
             # a device downloads its assignment and the round's model (broadcast to all, counted once in bytes_out)
             **self.times.record(state.round, u, bytes_down + self.distribution.model_bytes, bytes_up),
             "compute_s": u.compute_s,
             "cpu_s": u.cpu_s,
             "local_steps": u.local_steps,
-            "num_samples": u.num_samples,
+            "num_samples": registered,
+            **capped,
             "train_loss": u.train_loss,
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,

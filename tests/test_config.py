@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
 
-from server.config import ConfigError, RunConfig, from_dict, load_config, override
+from server.config import INF_OFF, ConfigError, RunConfig, float_keys, from_dict, load_config, override
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -255,3 +256,32 @@ def test_fault_settings_are_validated_with_the_key_and_the_fix(values: dict, mes
 def test_a_floor_above_the_fixed_deadline_is_fine_without_a_derived_deadline() -> None:
     config = from_dict({"clients": {"round_deadline_s": 4.0}})  # the floor (10 s) only bounds derived deadlines
     assert config.clients.deadline_factor == 0.0 and config.train.max_update_norm == 1e4
+
+
+FLOAT_KEYS = [key for key, _, _ in float_keys(RunConfig())]  # derived: a float key added later is covered too
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_non_finite_values_naming_the_key(tmp_path: Path, key: str, value: float) -> None:
+    """From a TOML file as a user writes it: ``inf`` is refused at load, naming the key, unless the key's field says
+    what ``inf`` means (then it is accepted); ``nan`` and ``-inf`` never are."""
+    section, name = key.split(".")
+    path = tmp_path / "run.toml"
+    path.write_text(f"[{section}]\n{name} = {value}\n")  # TOML's inf, -inf, nan
+    inf_off = {k: f.metadata.get(INF_OFF) for k, _, f in float_keys(RunConfig())}[key]
+    if inf_off and value == math.inf:
+        assert getattr(getattr(load_config(path), section), name) == math.inf
+        return
+    with pytest.raises(ConfigError, match=rf"{key} must be a finite number.*got {value!r}: set a finite number"):
+        load_config(path)
+
+
+def test_the_issues_infinite_settings_are_refused_at_load() -> None:
+    for key in ("train.lr", "train.weight_decay", "eval.deadline_s", "train.round_budget_s"):
+        section, name = key.split(".")
+        with pytest.raises(ConfigError, match=rf"^{key} must be a finite number; got inf"):
+            from_dict({section: {name: math.inf}})
+    assert {"train.max_update_norm", "train.max_norm_ratio"} <= {
+        k for k, _, f in float_keys(RunConfig()) if f.metadata.get(INF_OFF)
+    }

@@ -214,7 +214,7 @@ def test_the_target_in_either_direction(tmp_path: Path) -> None:
 
 # -------------------------------------------------------------------------------------- the devices' evaluations
 def test_evaluation_reports_are_admitted_only_as_asked() -> None:
-    fed = FederatedEvaluation(TASKS["regression"], EvalSection(every=3), rounds=7)
+    fed = FederatedEvaluation(TASKS["regression"], EvalSection(every=3), rounds=7, max_weight_share=0.5)
     assert [r for r in range(1, 8) if fed.due(r)] == [3, 6, 7]
     state = EvalRound(3, {"a", "b"})
     fed.current = state

@@ -79,6 +79,9 @@ class Round:
     rows: UpdateStore | None = None
     error: Exception | None = None  # what went wrong while folding: finish() raises it, which drops the round
     norms: dict[str, float] = field(default_factory=dict)  # client -> |delta| as admission measured it
+    # client -> the sample count its update weighs as (``server.weight_share``: none above clients.max_weight_share of
+    # the round's selected devices); a client not named weighs as it registered
+    sample_weights: dict[str, int] = field(default_factory=dict)
 
     def delta_norm(self, update: Update) -> float:
         """``|update.delta|``: the norm admission measured, or measured now (an update folded without admission)."""
@@ -157,12 +160,16 @@ class Strategy(ABC):
 
     def fold(self, rnd: Round, update: Update, norm: float | None = None) -> Update:
         """Fold one admitted update into ``rnd`` now; returns it without its vectors, all that needs keeping of it.
-        ``norm`` is the norm of its delta that admission measured (``Round.delta_norm``).
+        ``norm`` is the norm of its delta that admission measured (``Round.delta_norm``). Its sample count is the
+        capped one of ``rnd.sample_weights``, here, once, for every algorithm that weights by samples.
 
         An error is logged and kept for ``finish`` to raise: it drops the round, never the run.
         """
         if norm is not None:
             rnd.norms[update.client_id] = norm
+        weight = rnd.sample_weights.get(update.client_id, update.num_samples)
+        if weight != update.num_samples:
+            update = replace(update, num_samples=weight)
         if rnd.error is None:
             try:
                 self.add(rnd, update)
