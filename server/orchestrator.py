@@ -57,7 +57,6 @@ from edge_client.messages import (
     Message,
     ModelFile,
     ModelRequest,
-    OutOfRound,
     Presence,
     Refusal,
     Resync,
@@ -65,7 +64,15 @@ from edge_client.messages import (
     Update,
 )
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
-from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, MessageTooLarge, ProtocolError, dropped_entries, encode
+from edge_client.protocol import (
+    MAX_HEADER_BYTES,
+    InvalidField,
+    MessageTooLarge,
+    OutOfRound,
+    ProtocolError,
+    dropped_entries,
+    encode,
+)
 from edge_client.tasks import build_task
 from edge_client.topics import Topics
 from edge_client.transport import Link, LinkConfig, MqttLink
