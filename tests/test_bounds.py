@@ -247,7 +247,7 @@ def test_a_negative_regression_loss_is_refused_before_the_rmse() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ registry
-OTHER_MODEL = {"digest": "not-the-servers", "layout": [["w", [3], "float32"]]}
+OTHER_MODEL = {"digest": "0" * 64, "layout": [["w", [3], "float32"]]}  # a well-formed statement of another model
 
 
 @pytest.mark.parametrize("update_first", [False, True], ids=["hello_then_update", "update_then_hello"])
