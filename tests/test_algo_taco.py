@@ -28,7 +28,7 @@ from edge_client.trainer import Plan, TrainResult
 from server.experiments.attacks import freeloader
 from server.report import summarize
 from server.strategies.base import ServerContext, TrainSettings
-from server.strategies.taco import Taco, stabilised_weights, taco_alphas
+from server.strategies.taco import Taco, outliers, stabilised_weights, taco_alphas
 from server.target import Target
 
 K, LR = 4, 0.1
@@ -66,8 +66,10 @@ def upd(cid: str, delta: np.ndarray, round_: int = 1) -> Update:
 
 
 def strategy(clients: tuple[str, ...] = (), **params: object) -> Taco:
-    """A TACO server half; eq. 9 as printed (``aggregation = "paper"``) unless the test asks for the stabilised one."""
-    s = Taco(TrainSettings(local_steps=K, lr=LR, batch_size=4), {"aggregation": "paper", **params})
+    """A TACO server half; eqs. 9 and 10 as printed (``aggregation``, ``detection = "paper"``) unless the test asks
+    for the stabilised ones."""
+    literal = {"aggregation": "paper", "detection": "paper"}
+    s = Taco(TrainSettings(local_steps=K, lr=LR, batch_size=4), {**literal, **params})
     s.setup(ServerContext(model_spec={}, num_params=0, clients=dict.fromkeys(clients, 10)))
     return s
 
@@ -349,6 +351,42 @@ def test_expulsion_never_leaves_the_federation_empty(caplog: pytest.LogCaptureFi
     s.ctx.clients["c"] = 10  # a third client registers: now they can go
     s.aggregate(3, np.zeros(2, np.float32), [upd("a", v, 3), upd("b", v, 3)])
     assert s.excluded() == {"a", "b"} and s.strikes == {"a": 3, "b": 3}
+
+
+def test_outlier_test_on_hand_made_alphas() -> None:
+    """Stabilised detection: smoothed alpha >= kappa and >= ratio x the round's median."""
+    got = outliers(np.array([0.84, 0.8, 0.3, 0.25, 0.35]), 0.6, 2.0)  # median 0.35 -> 0.7 and kappa 0.6
+    assert got.tolist() == [True, True, False, False, False]
+    assert not outliers(np.array([0.66, 0.7, 0.8, 0.75]), 0.6, 2.0).any()  # all high (two-class data): nobody
+    assert outliers(np.array([0.66, 0.7, 0.8, 0.75]), 0.6, 1.0).tolist() == [False, False, True, True]  # >= median
+    assert outliers(np.zeros(0), 0.6, 2.0).size == 0
+
+
+def test_stabilised_detection_strikes_outliers_not_a_federation_of_similar_clients() -> None:
+    """Six honest clients with similar uploads all have alpha ~0.8 >= kappa: eq. 10 strikes every one of them
+    every round (what expelled 18-19 of 20 honest Adult clients); the stabilised test strikes nobody. Two uploads
+    far more aligned with the mean than the rest are struck by both, and expelled over lambda = 2 strikes."""
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=50)
+    similar = {f"h{i}": (base + rng.normal(scale=0.3, size=50)).astype(np.float32) for i in range(6)}
+    w = np.zeros(50, np.float32)
+    paper, stab = strategy(kappa=0.6, lambda_expel=5), strategy(kappa=0.6, lambda_expel=5, detection="stabilised")
+    for r in (1, 2):
+        for x in (paper, stab):
+            x.aggregate(r, w, [upd(c, d, r) for c, d in similar.items()])
+    assert min(paper.alpha.values()) >= 0.6 and paper.strikes == dict.fromkeys(similar, 2)
+    assert stab.strikes == {}
+    # eight honest clients in orthogonal directions, two uploads along their sum (the mean's direction, as a
+    # freeloader's is): by hand alpha 0.79 for those two, 0.33 for the honest ones (median 0.33, x 2 = 0.66)
+    e = np.eye(8, dtype=np.float32)
+    ups = {"f1": e.sum(axis=0), "f2": e.sum(axis=0), **{f"h{i}": e[i] for i in range(8)}}
+    ref = ref_alphas(list(ups.values()))
+    assert ref[0] == pytest.approx(1 - np.sqrt(8) / (2 * np.sqrt(8) + 8), rel=1e-6)
+    assert ref[0] >= 0.6 and ref[0] >= 2 * np.median(ref) and max(ref[2:]) < 0.6
+    s = strategy(tuple(ups), kappa=0.6, lambda_expel=2, detection="stabilised")
+    for r in (1, 2, 3):
+        s.aggregate(r, np.zeros(8, np.float32), [upd(c, d, r) for c, d in ups.items()])
+    assert s.strikes == {"f1": 3, "f2": 3} and s.excluded() == {"f1", "f2"}
 
 
 def freeload(train: TrainFn, weights: np.ndarray) -> TrainResult:

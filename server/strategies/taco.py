@@ -89,6 +89,17 @@ def stabilised_weights(smoothed: np.ndarray, uniform_share: float) -> np.ndarray
     return (1.0 - uniform_share) * normalise(smoothed) + uniform_share / len(smoothed)
 
 
+def outliers(smoothed: np.ndarray, kappa: float, ratio: float) -> np.ndarray:
+    """The stabilised freeloader test (beyond the paper): eq. 10 on each client's smoothed alpha, ``s_i >= kappa``,
+    and ``s_i >= ratio x`` the round's median smoothed alpha. A freeloader's alpha is high every round (TACO Table
+    II: 0.75-0.88 against 0.18-0.43 for the honest groups); an honest client's passes kappa only in the rounds the
+    model swings its way (smoothing damps those), or when every client's does (two-class data such as Adult, where
+    the honest alphas' median is 0.6-0.9: eq. 10 alone then strikes nearly everyone)."""
+    if not len(smoothed):
+        return np.zeros(0, dtype=bool)
+    return (smoothed >= kappa) & (smoothed >= ratio * float(np.median(smoothed)))
+
+
 class Taco(Strategy):
     """TACO: tailored per-client correction, alpha-weighted aggregation, freeloader expulsion, output z.
 
@@ -182,10 +193,10 @@ class Taco(Strategy):
         self.last_sent[client_id] = self.version
         return a
 
-    def _strike(self, client_id: str, alpha: float) -> bool:
-        """Eq. 10: count a strike when ``alpha >= kappa``; True when the client has been struck over lambda times
-        (the paper's prose, "expel clients satisfying Eq. (10) over lambda times": strikes > lambda)."""
-        if alpha < self.params["kappa"]:
+    def _strike(self, client_id: str, suspect: bool) -> bool:
+        """Count a strike for a suspect (eq. 10, or the stabilised test); True when the client has been struck over
+        lambda times (the paper's prose, "expel clients satisfying Eq. (10) over lambda times": strikes > lambda)."""
+        if not suspect:
             return False
         strikes = self.strikes[client_id] = self.strikes.get(client_id, 0) + 1
         return strikes > self.lambda_expel
@@ -243,16 +254,19 @@ class Taco(Strategy):
         # every update of the round counts unless expulsions drop some: eq. 9's sum is then taken beside the alphas
         fold = tailored and paper and not self.params["drop_on_expel_round"]
         alphas, alpha_sum = store_alphas(rows, self.params["alpha_reference"], self.last_step, fold)
+        smoothed = self._smoothed(rows.keys, alphas)
+        stabilised = self.params["detection"] == "stabilised"
+        suspect = outliers(smoothed, self.params["kappa"], self.params["strike_ratio"]) if stabilised else None
         candidates = []
-        for cid, a in zip(rows.keys, alphas, strict=True):
+        for i, (cid, a) in enumerate(zip(rows.keys, alphas, strict=True)):
             self.alpha[cid] = float(a)
-            if self._strike(cid, float(a)):
+            if self._strike(cid, bool(suspect[i]) if suspect is not None else a >= self.params["kappa"]):
                 candidates.append(cid)
         expelled_now = self._expel(rnd.number, sorted(candidates))  # in client order, whatever the arrival order
         chosen = np.array([cid not in expelled_now for cid in rows.keys])
         if not (self.params["drop_on_expel_round"] and chosen.any()):
             chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
-        coefs = np.ones(len(rows)) if not tailored else alphas if paper else self._smoothed(rows.keys, alphas)
+        coefs = np.ones(len(rows)) if not tailored else alphas if paper else smoothed
         if chosen.all() and (not tailored or coefs.sum() <= EPS):
             step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
         elif alpha_sum is not None:  # every update counts (fold): eq. 9 from the sum taken beside the alphas
