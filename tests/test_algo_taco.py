@@ -354,12 +354,14 @@ def test_expulsion_never_leaves_the_federation_empty(caplog: pytest.LogCaptureFi
 
 
 def test_outlier_test_on_hand_made_alphas() -> None:
-    """Stabilised detection: smoothed alpha >= kappa and >= ratio x the round's median."""
-    got = outliers(np.array([0.84, 0.8, 0.3, 0.25, 0.35]), 0.6, 2.0)  # median 0.35 -> 0.7 and kappa 0.6
+    """Stabilised detection: alpha >= kappa, above the widest gap (>= strike_gap) of the sorted alphas, a minority."""
+    got = outliers(np.array([0.84, 0.8, 0.3, 0.25, 0.45]), 0.6, 0.2)  # widest gap 0.45 -> 0.8 (0.35): two above
     assert got.tolist() == [True, True, False, False, False]
-    assert not outliers(np.array([0.66, 0.7, 0.8, 0.75]), 0.6, 2.0).any()  # all high (two-class data): nobody
-    assert outliers(np.array([0.66, 0.7, 0.8, 0.75]), 0.6, 1.0).tolist() == [False, False, True, True]  # >= median
-    assert outliers(np.zeros(0), 0.6, 2.0).size == 0
+    assert not outliers(np.array([0.84, 0.8, 0.3, 0.25, 0.65]), 0.6, 0.2).any()  # widest gap 0.3 -> 0.65: 3 of 5
+    assert not outliers(np.array([0.66, 0.7, 0.8, 0.75, 0.9]), 0.6, 0.2).any()  # all high (two-class data): no gap
+    assert not outliers(np.array([0.5, 0.1, 0.1, 0.1]), 0.6, 0.2).any()  # apart, but below kappa
+    assert outliers(np.array([0.9, 0.1, 0.1, 0.1]), 0.6, 0.2).tolist() == [True, False, False, False]
+    assert outliers(np.zeros(0), 0.6, 0.2).size == 0 and not outliers(np.array([0.9]), 0.6, 0.2).any()
 
 
 def test_stabilised_detection_strikes_outliers_not_a_federation_of_similar_clients() -> None:
@@ -377,12 +379,12 @@ def test_stabilised_detection_strikes_outliers_not_a_federation_of_similar_clien
     assert min(paper.alpha.values()) >= 0.6 and paper.strikes == dict.fromkeys(similar, 2)
     assert stab.strikes == {}
     # eight honest clients in orthogonal directions, two uploads along their sum (the mean's direction, as a
-    # freeloader's is): by hand alpha 0.79 for those two, 0.33 for the honest ones (median 0.33, x 2 = 0.66)
+    # freeloader's is): by hand alpha 0.79 for those two, 0.33 for the honest ones (a gap of 0.46)
     e = np.eye(8, dtype=np.float32)
     ups = {"f1": e.sum(axis=0), "f2": e.sum(axis=0), **{f"h{i}": e[i] for i in range(8)}}
     ref = ref_alphas(list(ups.values()))
     assert ref[0] == pytest.approx(1 - np.sqrt(8) / (2 * np.sqrt(8) + 8), rel=1e-6)
-    assert ref[0] >= 0.6 and ref[0] >= 2 * np.median(ref) and max(ref[2:]) < 0.6
+    assert ref[0] >= 0.6 and ref[0] - max(ref[2:]) >= 0.2 and max(ref[2:]) < 0.6
     s = strategy(tuple(ups), kappa=0.6, lambda_expel=2, detection="stabilised")
     for r in (1, 2, 3):
         s.aggregate(r, np.zeros(8, np.float32), [upd(c, d, r) for c, d in ups.items()])

@@ -117,7 +117,7 @@ def test_taco_expels_a_freeloader(federation) -> None:
         clients=5,
         rounds=5,
         train={"algorithm": "taco"},
-        algorithm_params={"kappa": 0.6, "lambda_expel": 2},
+        algorithm_params={"kappa": 0.6, "lambda_expel": 2},  # expelled over 2 strikes
         partition="dirichlet:0.3",
         freeloaders=0.2,
     )

@@ -59,16 +59,17 @@ CONTRACT = Contract(
                 "eq. 9's weights: the round's alphas ('paper') or smoothed across rounds and mixed with uniform "
                 "weights ('stabilised', beyond the paper)", choices=("stabilised", "paper")),
         Setting("alpha_smoothing", float, 0.5,
-                "stabilised aggregation and detection: weight of a client's previous smoothed alpha in its new one "
-                "(0: this round's alpha)",
+                "stabilised aggregation: weight of a client's previous smoothed alpha in its new one (0: this "
+                "round's alpha)",
                 low=0.0, high=1.0, high_open=True),
         Setting("uniform_share", float, 0.5, "stabilised: share of eq. 9's weights spread uniformly over the round",
                 low=0.0, high=1.0),
         Setting("detection", str, "stabilised",
-                "eq. 10's strikes: alpha_i >= kappa ('paper'), or the smoothed alpha_i >= kappa and >= strike_ratio "
-                "x the round's median ('stabilised', beyond the paper)", choices=("stabilised", "paper")),
-        Setting("strike_ratio", float, 2.0, "stabilised detection: how many times the round's median smoothed alpha "
-                "a suspect's must be", low=1.0),
+                "eq. 10's strikes: alpha_i >= kappa ('paper'), or only for the clients above the widest gap (at "
+                "least strike_gap) in the round's sorted alphas, fewer than half ('stabilised', beyond the paper)",
+                choices=("stabilised", "paper")),
+        Setting("strike_gap", float, 0.2, "stabilised detection: the least gap between suspects and the others' alphas",
+                low=0.0, high=1.0, low_open=True),
         Setting("output", str, "z", "also evaluate eq. 15's z ('z') or only w ('w')", choices=("z", "w")),
         Setting("drop_on_expel_round", bool, False, "drop an expelled client's update of its expulsion round"),
         ALPHA_REFERENCE,
