@@ -138,7 +138,8 @@ class Taco(Strategy):
     gamma = 1 with uniform weights; ``aggregation = "stabilised"`` (the default, beyond the paper) smooths each
     client's alpha across rounds (``alpha_smoothing``) and mixes eq. 9's shares with uniform weights
     (``uniform_share``), see ``stabilised_weights``; ``"paper"`` is eq. 9 as printed. Strikes use the round's own
-    alpha either way (eq. 10). (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
+    alpha: eq. 10 (``detection = "paper"``), or by default only for the clients standing apart from the round
+    (``detection = "stabilised"``, beyond the paper, see ``outliers``). (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
     others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
     Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
