@@ -139,8 +139,9 @@ class Taco(Strategy):
     client's alpha across rounds (``alpha_smoothing``) and mixes eq. 9's shares with uniform weights
     (``uniform_share``), see ``stabilised_weights``; ``"paper"`` is eq. 9 as printed. Strikes use the round's own
     alpha: eq. 10 (``detection = "paper"``), or by default only for the clients standing apart from the round
-    (``detection = "stabilised"``, beyond the paper, see ``outliers``). (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
-    others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
+    (``detection = "stabilised"``, beyond the paper, see ``outliers``). (11) No data-size weights. (12) Partial
+    participation: eq. 7 over the reporters, others keep their last alpha, strikes only when reporting,
+    ``w_{t-1} - w_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
     Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
     is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
