@@ -68,6 +68,8 @@ def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[
     accuracy = {"target_accuracy": target.value} if m == "accuracy" else {}
     return {
         f"final_{m}": target.of(last_eval) if last_eval else None,
+        # TACO's output z_T (Alg. 2 line 14, eq. 15), evaluated in the same row as w_T (the tables' figure)
+        **({f"final_{m}_z": last_eval[f"{m}_z"]} if f"{m}_z" in last_eval else {}),
         "final_loss": target.of(last_eval, "loss") if last_eval else None,
         f"best_{m}": best,
         **({"final_client_eval": _without_devices(last_eval["client_eval"])} if "client_eval" in last_eval else {}),

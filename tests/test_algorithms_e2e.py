@@ -118,7 +118,9 @@ def test_taco_expels_a_freeloader(federation) -> None:
         clients=5,
         rounds=5,
         train={"algorithm": "taco"},
-        algorithm_params={"kappa": 0.6, "lambda_expel": 2},
+        # expelled over 2 strikes; in 5 clients the freeloader's alpha (0.77-0.81) is only 0.11-0.16 above the honest
+        # ones' (up to 0.7 with the accumulated correction; measured): a smaller gap than the default 0.2
+        algorithm_params={"kappa": 0.6, "lambda_expel": 2, "strike_gap": 0.1},
         partition="dirichlet:0.3",
         freeloaders=0.2,
     )

@@ -2,13 +2,16 @@
 
 Each local step uses ``g + gamma (1 - alpha_i^t) Delta_t``, with ``alpha_i^t`` the assignment's ``alpha``; the term is
 constant within the round, so it is computed once in ``begin_round`` and added to the flat gradient with one ``add_``
-per step. ``gamma = 0`` means ``1/K`` with K this round's local steps, and ``eta_g = K * eta_l`` (C2).
+per step. ``gamma = 0`` means ``1/K`` with K this round's local steps.
 
-``Delta_t`` is the previous global gradient at per-step scale ((f)1, (f)2): the server's ``arrays["global_delta"]``
-when sent, else derived as ``(w_{t-1} - w_t) / eta_g`` from the model this client received for version ``v - 1``
-(kept across rounds, and across restarts through ``state_dict``), else - version 0 (``Delta_0 = 0``, (f)5), or the
-previous model is not the immediately preceding version - no correction this round (logged). With
-``delta_scale = "model_diff"`` the term uses ``eta_g * Delta_t = w_{t-1} - w_t`` instead ((f)1 option).
+``Delta_t`` comes from the last global step ``w_{t-1} - w_t``: the server's ``arrays["global_delta"]`` when sent, else
+derived from the model this client received for version ``v - 1`` (kept across rounds, and across restarts through
+``state_dict``), else - version 0 (``Delta_0 = 0``, (f)5), or the previous model is not the immediately preceding
+version - no correction this round (logged). ``correction`` sets its scale (docs/algorithms.md, "TACO's correction
+scale", gives the paper's evidence): ``"accumulated"`` (default) ``Delta_t = (w_{t-1} - w_t) / eta_l``, the
+accumulated global gradient, so that with gamma = 1/K the K steps of a round add ``(1 - alpha_i)(w_{t-1} - w_t)``,
+Lemma 1's momentum; ``"per_step"`` ``(w_{t-1} - w_t) / (K eta_l)`` (ALGORITHMS.md (f)1; with gamma = 1/K only 1/K of
+that); ``"model_diff"`` ``w_{t-1} - w_t`` itself.
 
 The contract here is TACO's whole contract, server settings included (expulsion, output z); the tailored FedProx and
 SCAFFOLD variants reuse ``ALPHA_INIT``, ``ALPHA_REFERENCE`` and ``tailored``. ``tailored_correction = false``
@@ -48,21 +51,44 @@ CONTRACT = Contract(
         Setting("rounds", int, 0, "T, the run's total rounds, for the lambda default (0: taken from run.rounds)",
                 low=0),
         ALPHA_INIT,
-        Setting("send_global_delta", bool, False, "always send Delta_t instead of letting clients derive it"),
-        Setting("delta_scale", str, "per_step", "Delta_t at per-step scale, or the model difference ((f)1)",
-                choices=("per_step", "model_diff"), device=True),
+        Setting("send_global_delta", bool, False, "always send w_{t-1} - w_t instead of letting clients derive it"),
+        Setting("correction", str, "accumulated",
+                "eq. 8's Delta_t: (w_{t-1} - w_t) / eta_l ('accumulated', Lemma 1), / (K eta_l) ('per_step') or "
+                "w_{t-1} - w_t ('model_diff')", choices=("accumulated", "per_step", "model_diff"), device=True),
+        Setting("aggregation", str, "stabilised",
+                "eq. 9's weights: the round's alphas ('paper') or smoothed across rounds and mixed with uniform "
+                "weights ('stabilised', beyond the paper)", choices=("stabilised", "paper")),
+        Setting("alpha_smoothing", float, 0.5,
+                "stabilised aggregation: weight of a client's previous smoothed alpha in its new one (0: this "
+                "round's alpha)",
+                low=0.0, high=1.0, high_open=True),
+        Setting("uniform_share", float, 0.5, "stabilised: share of eq. 9's weights spread uniformly over the round",
+                low=0.0, high=1.0),
+        Setting("detection", str, "stabilised",
+                "eq. 10's strikes: alpha_i >= kappa ('paper'), or only for the clients above the widest gap (at "
+                "least strike_gap) in the round's sorted alphas, fewer than half ('stabilised', beyond the paper)",
+                choices=("stabilised", "paper")),
+        Setting("strike_gap", float, 0.2, "stabilised detection: the least gap between suspects and the others' alphas",
+                low=0.0, high=1.0, low_open=True),
         Setting("output", str, "z", "also evaluate eq. 15's z ('z') or only w ('w')", choices=("z", "w")),
-        Setting("expel_strictly_greater", bool, False, "expel when strikes > lambda instead of >="),
         Setting("drop_on_expel_round", bool, False, "drop an expelled client's update of its expulsion round"),
         ALPHA_REFERENCE,
         Setting("tailored_correction", bool, True, "eq. 8's correction on the device (false: plain SGD, Table VI)",
                 device=True),
         Setting("tailored_aggregation", bool, True, "eq. 9's alpha weights (false: uniform average, Table VI)"),
     ),
-    sends=(Array("global_delta", "Delta_t at per-step scale, for clients that cannot derive it", required=False,
-                 scope="global"),),
+    sends=(Array("global_delta", "w_{t-1} - w_t, the last global step, for clients that cannot derive it",
+                 required=False, scope="global"),),
     uses_alpha=True,
 )  # fmt: skip
+
+
+#: ``correction`` -> the divisor turning ``w_{t-1} - w_t`` into eq. 8's ``Delta_t``, from K and eta_l
+DELTA_SCALE = {
+    "accumulated": lambda steps, lr: lr,
+    "per_step": lambda steps, lr: steps * lr,
+    "model_diff": lambda steps, lr: 1.0,
+}
 
 
 def tailored_contract(base: Contract, description: str) -> Contract:
@@ -88,8 +114,8 @@ class TacoClient(ClientAlgorithm):
         self.prev_version = -1
         self.corr: torch.Tensor | None = None  # gamma (1 - alpha_i) Delta_t for the current round
 
-    def global_delta(self, ctx: LocalContext, eta_g: float) -> torch.Tensor | None:
-        """``Delta_t`` at per-step scale, or None when there is nothing to correct with."""
+    def global_step(self, ctx: LocalContext) -> torch.Tensor | None:
+        """``w_{t-1} - w_t``, or None when there is nothing to correct with."""
         plan = ctx.plan
         if ctx.has_array("global_delta"):
             return ctx.array("global_delta")
@@ -97,7 +123,7 @@ class TacoClient(ClientAlgorithm):
             return None  # Delta_0 = 0
         prev = self.prev_weights
         if prev is not None and self.prev_version == plan.model_version - 1 and prev.size == ctx.flat.size:
-            return torch.from_numpy(prev).sub(ctx.start).div_(eta_g)
+            return torch.from_numpy(prev).sub(ctx.start)
         log.warning(
             "round %d: taco: no global delta (model version %d, last model seen %d); no correction this round",
             plan.round,
@@ -108,13 +134,12 @@ class TacoClient(ClientAlgorithm):
 
     def begin_round(self, ctx: LocalContext) -> None:
         plan = ctx.plan
-        eta_g = plan.steps * plan.lr
-        gamma = float(ctx.setting("gamma")) or 1.0 / max(1, plan.steps)
+        steps = max(1, plan.steps)
+        gamma = float(ctx.setting("gamma")) or 1.0 / steps
         coef = tailored(gamma, ctx) if ctx.setting("tailored_correction") else 0.0  # off: plain SGD (Table VI)
-        if ctx.setting("delta_scale") == "model_diff":
-            coef *= eta_g
-        delta = self.global_delta(ctx, eta_g) if coef else None  # coefficient 0: nothing to correct with
-        self.corr = None if delta is None else delta.mul(coef)
+        coef /= DELTA_SCALE[ctx.setting("correction")](steps, plan.lr)
+        step = self.global_step(ctx) if coef else None  # coefficient 0: nothing to correct with
+        self.corr = None if step is None else step.mul(coef)
         self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(plan.model_version)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:

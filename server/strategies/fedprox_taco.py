@@ -14,6 +14,8 @@ from server.strategies.taco import TailoredCoefficients
 
 
 class FedProxTaco(TailoredCoefficients, FedProx):
-    """[RECOMMENDED] mapping of (f)13 for FedProx: the device turns the alpha_i it is sent into zeta (1 - alpha_i)."""
+    """(f)13 for FedProx: the device turns the alpha_i it is sent into zeta (1 - alpha_i), the paper's correction
+    factor scaled by FedProx's own coefficient, not ``zeta := alpha_i`` (docs/algorithms.md, "TACO-tailored FedProx
+    and SCAFFOLD", gives the paper's reasons)."""
 
     contract = CONTRACT

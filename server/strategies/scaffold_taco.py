@@ -17,6 +17,7 @@ from server.strategies.taco import TailoredCoefficients
 
 
 class ScaffoldTaco(TailoredCoefficients, Scaffold):
-    """[RECOMMENDED] mapping of (f)13 for SCAFFOLD: the device scales its correction by alpha (1 - alpha_i)."""
+    """(f)13 for SCAFFOLD: the device scales its correction by alpha (1 - alpha_i), the paper's correction factor
+    (docs/algorithms.md, "TACO-tailored FedProx and SCAFFOLD", says why not ``alpha := alpha_i``)."""
 
     contract = CONTRACT

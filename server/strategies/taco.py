@@ -2,7 +2,8 @@
 
 Per round t, over the active (non-expelled) clients that reported: the tailored coefficients ``alpha_i^{t+1}``
 (eq. 7) from this round's uploads, the alpha-weighted model average (eq. 9 with ``eta_g = K eta_l``, uniform when
-every alpha is 0), strikes for ``alpha_i >= kappa`` and expulsion after ``lambda`` strikes (eq. 10). Each client is
+every alpha is 0; stabilised across rounds by default), strikes for ``alpha_i >= kappa`` and expulsion after more
+than ``lambda`` strikes (eq. 10). Each client is
 told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
 ``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
 
@@ -80,14 +81,44 @@ def store_alphas(
     return rows.scores(ref, alpha_rule(rows.norms, ref_norm), fold)
 
 
+def stabilised_weights(smoothed: np.ndarray, uniform_share: float) -> np.ndarray:
+    """``(1 - u) s_i / sum_j s_j + u / n``: eq. 9's shares of the smoothed alphas ``s`` mixed with uniform weights
+    (all uniform when every ``s_i`` is 0). Beyond the paper (docs/algorithms.md, "TACO's stabilised aggregation"):
+    on label-skewed data the round's own alphas give weight only to the clients agreeing with this round's mean, and
+    the model swings between label groups from round to round."""
+    return (1.0 - uniform_share) * normalise(smoothed) + uniform_share / len(smoothed)
+
+
+def outliers(alphas: np.ndarray, kappa: float, gap: float) -> np.ndarray:
+    """The stabilised freeloader test (beyond the paper): eq. 10, ``alpha_i >= kappa``, for the clients above the
+    widest gap between the round's sorted alphas, when that gap is at least ``gap`` and they are fewer than half.
+
+    A freeloader's alpha is high every round and stands apart (TACO Table II: 0.75-0.88 against 0.18-0.43; with the
+    accumulated correction 0.83-0.96 against at most 0.69, docs/reproduction.md); an honest client's passes kappa
+    when every client's does (two-class data such as Adult, where eq. 10 alone strikes nearly everyone) or in the
+    rounds the model swings its way, without a gap to the others. Needs the honest clients to be the majority."""
+    n = len(alphas)
+    out = np.zeros(n, dtype=bool)
+    if n < 2:
+        return out
+    order = np.argsort(alphas, kind="stable")
+    gaps = np.diff(alphas[order])
+    widest = int(np.argmax(gaps))
+    above = order[widest + 1 :]
+    if gaps[widest] >= gap and len(above) < n / 2:
+        out[above] = True
+    return out & (alphas >= kappa)
+
+
 class Taco(Strategy):
     """TACO: tailored per-client correction, alpha-weighted aggregation, freeloader expulsion, output z.
 
     Resolutions of ALGORITHMS.md 2.7 (f), all as [RECOMMENDED] unless noted:
-    (1) ``delta_scale = "per_step"``: the client's ``Delta_t`` is gradient-scale, ``(w_{t-1} - w_t) / eta_g`` with
-    ``eta_g = K * eta_l`` (the client computes it from its plan); "model_diff" is the investigation option.
-    (2) Clients derive ``Delta_t`` from the two consecutive models they received. The server sends it as
-    ``arrays["global_delta"]`` (per-step scale) when ``send_global_delta`` is true, or to any client that was not
+    (1) ``correction = "accumulated"`` (the paper's, not ALGORITHMS.md's [RECOMMENDED] per-step reading: see
+    docs/algorithms.md): the client's ``Delta_t`` is ``(w_{t-1} - w_t) / eta_l``; "per_step" divides by ``K eta_l``
+    too, "model_diff" by nothing (the device half's ``DELTA_SCALE``).
+    (2) Clients derive ``Delta_t`` from the two consecutive models they received. The server sends ``w_{t-1} - w_t``
+    as ``arrays["global_delta"]`` when ``send_global_delta`` is true, or to any client that was not
     sent the model version immediately before the current one (late joiner, missed round, restart, or a round in
     which no update arrived so the version did not advance); the last-sent version per client is tracked.
     (3) ``alpha_i^{t+1}`` from round t's uploads weights round t's aggregation, is counted for eq. 10, and is the
@@ -96,7 +127,7 @@ class Taco(Strategy):
     prose); see ``taco_alphas``.
     (5) Round 1 (paper t = 0): ``Delta_0 = 0``, so clients apply no correction; ``alpha_init`` (0.1) is sent to
     clients not yet scored. (6) Degenerate norms: see ``taco_alphas``; all-zero alphas -> uniform weights.
-    (7) Cumulative strikes, expel when ``strikes >= lambda`` (``expel_strictly_greater`` for ``>``); the expelled
+    (7) Cumulative strikes, expel when ``strikes > lambda`` (the prose's "over lambda times"); the expelled
     client's update of its expulsion round is still aggregated (``drop_on_expel_round`` drops it); no re-admission.
     Added guard (not in the paper): a round's expulsions are skipped (strikes kept, warning logged) when they would
     leave no active client - with few, similar honest clients (e.g. 3 IID ones: alpha ~ 0.67 cos) every client can
@@ -104,8 +135,13 @@ class Taco(Strategy):
     (8) Freeloaders are simulated by ``edge_client.behaviours`` (upload ``w_{t-1} - w_t``, zeros at first).
     (9) ``outputs`` gives eq. 15's z every round with the mean alpha over non-expelled scored clients
     (``output = "w"`` skips it). (10) The experiments' settings: ``gamma = 1/K`` and eq. 9 weights, not the theory's
-    gamma = 1 with uniform weights. (11) No data-size weights. (12) Partial participation: eq. 7 over the reporters,
-    others keep their last alpha, strikes only when reporting, ``Delta_t`` sent explicitly to non-recipients.
+    gamma = 1 with uniform weights; ``aggregation = "stabilised"`` (the default, beyond the paper) smooths each
+    client's alpha across rounds (``alpha_smoothing``) and mixes eq. 9's shares with uniform weights
+    (``uniform_share``), see ``stabilised_weights``; ``"paper"`` is eq. 9 as printed. Strikes use the round's own
+    alpha: eq. 10 (``detection = "paper"``), or by default only for the clients standing apart from the round
+    (``detection = "stabilised"``, beyond the paper, see ``outliers``). (11) No data-size weights. (12) Partial
+    participation: eq. 7 over the reporters, others keep their last alpha, strikes only when reporting,
+    ``w_{t-1} - w_t`` sent explicitly to non-recipients.
     (13) The tailored FedProx / SCAFFOLD variants reuse ``taco_alphas`` (fedprox_taco.py, scaffold_taco.py).
     Table VI's ablation: ``tailored_correction = false`` makes the devices run eq. 4's plain SGD (no ``global_delta``
     is sent); ``tailored_aggregation = false`` averages uniformly (eq. 6, ``p_i = 1/N``). Both off is FedAvg plus the
@@ -123,6 +159,7 @@ class Taco(Strategy):
     def __init__(self, settings: TrainSettings, params: dict[str, Any] | None = None, seed: int = 0) -> None:
         super().__init__(settings, params, seed)
         self.alpha: dict[str, float] = {}  # latest alpha_i (eq. 7) per scored client
+        self.smoothed: dict[str, float] = {}  # alpha_i smoothed across rounds (aggregation = "stabilised")
         self.strikes: dict[str, int] = {}
         self.expelled: list[str] = []  # in order of expulsion
         self.version = 0  # aggregations so far = the model version the orchestrator sends
@@ -131,11 +168,6 @@ class Taco(Strategy):
         self._warned_lambda = False
 
     # -- resolved hyper-parameters -------------------------------------------------------------------------------
-
-    @property
-    def eta_g(self) -> float:
-        """Global step size ``K * eta_l`` (C2): the scale between ``w_{t-1} - w_t`` and ``Delta_t``."""
-        return float(self.settings.local_steps * self.settings.lr)
 
     @property
     def gamma(self) -> float:
@@ -169,17 +201,17 @@ class Taco(Strategy):
         a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
         missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
         if self.params["tailored_correction"] and self.last_step is not None and missed:
-            a.arrays = {"global_delta": (self.last_step / np.float32(self.eta_g)).astype(np.float32)}
+            a.arrays = {"global_delta": self.last_step.astype(np.float32)}
         self.last_sent[client_id] = self.version
         return a
 
-    def _strike(self, client_id: str, alpha: float) -> bool:
-        """Eq. 10: count a strike when ``alpha >= kappa``; True when the client has reached the expulsion limit."""
-        if alpha < self.params["kappa"]:
+    def _strike(self, client_id: str, suspect: bool) -> bool:
+        """Count a strike for a suspect (eq. 10, or the stabilised test); True when the client has been struck over
+        lambda times (the paper's prose, "expel clients satisfying Eq. (10) over lambda times": strikes > lambda)."""
+        if not suspect:
             return False
         strikes = self.strikes[client_id] = self.strikes.get(client_id, 0) + 1
-        limit = self.lambda_expel
-        return strikes > limit if self.params["expel_strictly_greater"] else strikes >= limit
+        return strikes > self.lambda_expel
 
     def _expel(self, round_: int, candidates: list[str]) -> set[str]:
         """Expel ``candidates`` unless that would leave no active client (then nobody this round; strikes stay)."""
@@ -230,31 +262,46 @@ class Taco(Strategy):
         if not len(rows):  # every update came from an expelled client
             return rnd.weights
         tailored = self.params["tailored_aggregation"]
+        paper = self.params["aggregation"] == "paper"
         # every update of the round counts unless expulsions drop some: eq. 9's sum is then taken beside the alphas
-        fold = tailored and not self.params["drop_on_expel_round"]
+        fold = tailored and paper and not self.params["drop_on_expel_round"]
         alphas, alpha_sum = store_alphas(rows, self.params["alpha_reference"], self.last_step, fold)
+        smoothed = self._smoothed(rows.keys, alphas)
+        stabilised = self.params["detection"] == "stabilised"
+        suspect = outliers(alphas, self.params["kappa"], self.params["strike_gap"]) if stabilised else None
         candidates = []
-        for cid, a in zip(rows.keys, alphas, strict=True):
+        for i, (cid, a) in enumerate(zip(rows.keys, alphas, strict=True)):
             self.alpha[cid] = float(a)
-            if self._strike(cid, float(a)):
+            if self._strike(cid, bool(suspect[i]) if suspect is not None else a >= self.params["kappa"]):
                 candidates.append(cid)
         expelled_now = self._expel(rnd.number, sorted(candidates))  # in client order, whatever the arrival order
         chosen = np.array([cid not in expelled_now for cid in rows.keys])
         if not (self.params["drop_on_expel_round"] and chosen.any()):
             chosen[:] = True  # the expelled clients' updates of this round still count ((f)7)
-        coefs = alphas if tailored else np.ones(len(rows))
-        if chosen.all() and (not tailored or alphas.sum() <= EPS):
+        coefs = np.ones(len(rows)) if not tailored else alphas if paper else smoothed
+        if chosen.all() and (not tailored or coefs.sum() <= EPS):
             step = rows.mean()  # uniform (eq. 6, or eq. 9's fallback): the running sum holds it, no pass over the rows
         elif alpha_sum is not None:  # every update counts (fold): eq. 9 from the sum taken beside the alphas
             step = alpha_sum
             step /= np.float32(alphas.sum())
         else:
             p = np.zeros(len(rows))
-            p[chosen] = normalise(coefs[chosen])  # eq. 9 (uniform if every alpha is 0)
+            p[chosen] = normalise(coefs[chosen]) if paper or not tailored else self._stabilised(coefs[chosen])
             step = rows.weighted_sum(p)  # eta_g * Delta_{t+1}
         self.last_step = step
         self.version += 1
         return rnd.weights - step
+
+    def _smoothed(self, keys: Sequence[str], alphas: np.ndarray) -> np.ndarray:
+        """Each client's alpha smoothed across the rounds it reported (an EMA starting at its first alpha)."""
+        beta = float(self.params["alpha_smoothing"])
+        for cid, a in zip(keys, alphas, strict=True):
+            self.smoothed[cid] = beta * self.smoothed.get(cid, float(a)) + (1.0 - beta) * float(a)
+        return np.array([self.smoothed[cid] for cid in keys])
+
+    def _stabilised(self, smoothed: np.ndarray) -> np.ndarray:
+        """The stabilised eq. 9 weights: the smoothed alphas' shares mixed with uniform weights."""
+        return stabilised_weights(smoothed, float(self.params["uniform_share"]))
 
     def excluded(self) -> set[str]:
         return set(self.expelled)
@@ -273,12 +320,18 @@ class Taco(Strategy):
         return {"z": (weights - np.float32(1.0 - self.mean_alpha()) * self.last_step).astype(np.float32)}
 
     def round_metrics(self) -> dict[str, Any]:
-        return {"alpha": dict(self.alpha), "strikes": dict(self.strikes), "expelled": list(self.expelled)}
+        return {
+            "alpha": dict(self.alpha),
+            "smoothed_alpha": dict(self.smoothed),
+            "strikes": dict(self.strikes),
+            "expelled": list(self.expelled),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Per-client dicts (JSON in the checkpoint) and ``last_step`` (w_{t-1} - w_t, d floats: an npz array)."""
         return {
             "alpha": dict(self.alpha),
+            "smoothed": dict(self.smoothed),
             "strikes": dict(self.strikes),
             "expelled": list(self.expelled),
             "version": self.version,
@@ -288,6 +341,7 @@ class Taco(Strategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.alpha = {str(k): float(v) for k, v in state.get("alpha", {}).items()}
+        self.smoothed = {str(k): float(v) for k, v in state.get("smoothed", {}).items()}
         self.strikes = {str(k): int(v) for k, v in state.get("strikes", {}).items()}
         self.expelled = [str(c) for c in state.get("expelled", [])]
         self.version = int(state.get("version", 0))
