@@ -25,6 +25,7 @@ from edge_client.transport import LinkConfig
 from server.assembly import split_clients
 from server.experiments.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
+from server.experiments.matched_steps import matched, source_record
 from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 from server.experiments.suites import RunSpec, Suite
 from server.experiments.tables import write_report
@@ -72,6 +73,7 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "seed": spec.seed,
         "path": spec.path,
         "params": config.algorithm_params(),
+        "client_samples": {cid: c["num_samples"] for r in rows for cid, c in r["clients"].items()},
         "summary": summary,
         "curve": [
             {
@@ -101,7 +103,11 @@ def _fleet_compute(row: dict[str, Any], lazy: set[str]) -> dict[str, float]:
     """A round's compute and local steps over honest clients, those that trained without uploading included."""
     done = [c for cid, c in row["clients"].items() if cid not in lazy]
     done += [r for r in row.get("train_only", []) if r["client"] not in lazy]
-    return {"compute_s": sum(c["compute_s"] for c in done), "local_steps": sum(c["local_steps"] for c in done)}
+    return {
+        "compute_s": sum(c["compute_s"] for c in done),
+        "local_steps": sum(c["local_steps"] for c in done),
+        "trained": len(done),
+    }
 
 
 def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Console | None = None) -> list[dict]:
@@ -110,6 +116,9 @@ def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Con
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = suite.runs()
+    if suite.match_steps:  # in each cell, the run whose total local steps the others are given goes first
+        cells = list(dict.fromkeys((s.variant, s.partition, s.seed) for s in specs))
+        specs.sort(key=lambda s: (cells.index((s.variant, s.partition, s.seed)), s.algorithm != suite.match_steps))
     datasets: dict[tuple[str, int], DatasetBundle] = {}
     records: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -130,6 +139,9 @@ def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Con
                 progress.console.print(f"run {i}/{len(specs)} {spec.path}: done before, kept")
                 progress.advance(task)
                 continue
+            derived = None
+            if suite.match_steps and spec.algorithm != suite.match_steps:
+                spec, derived = matched(spec, source_record(records, spec, suite.match_steps))
             progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
             key = (spec.config.data.dataset, spec.seed)
             if key not in datasets:
@@ -137,6 +149,8 @@ def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Con
             t0 = time.monotonic()
             record = run_one(spec, datasets[key], run_dir, broker)
             record["mode"], record["duration_s"] = mode, time.monotonic() - t0
+            if derived:
+                record["matched_steps"] = derived
             done_file.write_text(json.dumps(record) + "\n")
             records.append(record)
             s = record["summary"]

@@ -20,6 +20,9 @@ A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clien
     [bench.overrides.fednova]                # optional: sections one algorithm's runs override
     train = { steps_policy = "deadline", round_budget_s = 1.6 }
 
+``match_steps = "fedveca"`` (optional) runs that algorithm first in each cell and gives the others its total local
+steps (FedVeca's matched comparison, ``server/experiments/matched_steps.py``).
+
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
 
@@ -77,6 +80,7 @@ class Suite:
     variants: list[Variant]
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # algorithm -> sections its runs override
     mode: str = "inprocess"
+    match_steps: str = ""  # the algorithm whose measured total local steps the others of its cell are given
     description: str = ""
     paper: str = ""
     scaled: str = ""
@@ -148,7 +152,8 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     bench = data.pop("bench", None)
     if not isinstance(bench, dict):
         raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
-    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "description", "paper", "scaled"}
+    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "match_steps", "description",
+             "paper", "scaled"}  # fmt: skip
     unknown = sorted(set(bench) - known)
     if unknown:
         raise ConfigError(
@@ -176,6 +181,11 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         raise ConfigError(
             f"{where}: bench.overrides.NAME must be tables of the sections that algorithm's runs override"
         )
+    match_steps = bench.get("match_steps", "")
+    if match_steps and match_steps not in algorithms:
+        raise ConfigError(
+            f"{where}: bench.match_steps must name one of bench.algorithms {algorithms}; got {match_steps!r}"
+        )
     suite = Suite(
         name=name,
         base=data,
@@ -185,6 +195,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         variants=variants,
         overrides=overrides,
         mode=mode,
+        match_steps=match_steps,
         description=str(bench.get("description", "")),
         paper=str(bench.get("paper", "")),
         scaled=str(bench.get("scaled", "")),
