@@ -26,6 +26,7 @@ from edge_client.transport import LinkConfig
 from server.assembly import split_clients
 from server.experiments.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
+from server.experiments.matched_steps import matched, source_record
 from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
 from server.experiments.suites import RunSpec, Suite
 from server.experiments.tables import write_report
@@ -82,6 +83,7 @@ def run_one(spec: RunSpec, bundle: DatasetBundle, out_dir: Path, broker: BrokerL
         "mode": spec.mode,
         "steps_policy": config.train.steps_policy,
         "params": config.algorithm_params(),
+        "client_samples": {cid: c["num_samples"] for r in rows for cid, c in r["clients"].items()},
         "summary": summary,
         "curve": [
             {
@@ -118,7 +120,11 @@ def _fleet_compute(row: dict[str, Any], lazy: set[str]) -> dict[str, float]:
     """A round's compute and local steps over honest clients, those that trained without uploading included."""
     done = [c for cid, c in row["clients"].items() if cid not in lazy]
     done += [r for r in row.get("train_only", []) if r["client"] not in lazy]
-    return {"compute_s": sum(c["compute_s"] for c in done), "local_steps": sum(c["local_steps"] for c in done)}
+    return {
+        "compute_s": sum(c["compute_s"] for c in done),
+        "local_steps": sum(c["local_steps"] for c in done),
+        "trained": len(done),
+    }
 
 
 def rank(records: list[dict[str, Any]], column: str) -> list[str]:
@@ -144,6 +150,9 @@ def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Con
     console = console or Console(stderr=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = suite.runs(mode=mode)
+    if suite.match_steps:  # in each cell, the run whose total local steps the others are given goes first
+        cells = list(dict.fromkeys((s.variant, s.partition, s.seed) for s in specs))
+        specs.sort(key=lambda s: (cells.index((s.variant, s.partition, s.seed)), s.algorithm != suite.match_steps))
     records: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     columns = [
@@ -156,13 +165,13 @@ def run_suite(suite: Suite, out_dir: Path, mode: str | None = None, console: Con
         brokers = _Brokers(out_dir, max(s.config.clients.count for s in specs), stack)
         task = progress.add_task(f"bench {suite.name}", total=len(specs))
         datasets: dict[tuple[str, int], DatasetBundle] = {}
-        _run_specs(specs, out_dir, brokers, datasets, records, progress, task)
+        _run_specs(specs, out_dir, brokers, datasets, records, progress, task, suite.match_steps)
         if suite.ranked():
             ranking = rank(list(records.values()), suite.ranking_column())
             progress.console.print(f"ranking of {suite.ranking_column()}: {', '.join(ranking)}")
             more = [s for s in suite.runs(ranking, mode) if s.path not in records]
             progress.update(task, total=len(specs) + len(more))
-            _run_specs(more, out_dir, brokers, datasets, records, progress, task)
+            _run_specs(more, out_dir, brokers, datasets, records, progress, task, suite.match_steps)
     done = list(records.values())
     write_report(suite, done, out_dir, mode=mode or suite.mode, duration_s=time.monotonic() - started)
     return done
@@ -176,9 +185,11 @@ def _run_specs(
     records: dict[str, dict[str, Any]],
     progress: Progress,
     task: TaskID,
+    match_steps: str = "",
 ) -> None:
     """Run each spec not finished before (its record.json kept), adding every record to ``records`` by path, with
-    the target its column has in the suite now (the tables read it from the curves, so it may change after the runs)."""
+    the target its column has in the suite now (the tables read it from the curves, so it may change after the runs);
+    with ``match_steps``, every other algorithm is given that one's total local steps in its cell."""
     total = progress.tasks[task].total
     for spec in specs:
         i = len(records) + 1
@@ -189,6 +200,9 @@ def _run_specs(
             progress.console.print(f"run {i}/{total} {spec.path}: done before, kept")
             progress.advance(task)
             continue
+        derived = None
+        if match_steps and spec.algorithm != match_steps:
+            spec, derived = matched(spec, source_record(list(records.values()), spec, match_steps))
         progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
         key = (spec.config.data.dataset, spec.seed)
         if key not in datasets:
@@ -196,6 +210,8 @@ def _run_specs(
         t0 = time.monotonic()
         record = run_one(spec, datasets[key], run_dir, brokers.for_mode(spec.mode))
         record["duration_s"] = time.monotonic() - t0
+        if derived:
+            record["matched_steps"] = derived
         done_file.write_text(json.dumps(record) + "\n")
         records[spec.path] = {**record, "target": spec.config.run.target_accuracy}  # the suite's, now: it may change
         s = record["summary"]

@@ -35,6 +35,9 @@ first seed; a variant may name rows the same way (``algorithms = ["fedavg", "bes
 ranking run after every other. A variant may also run in another mode than the suite's (``mode = "broker"``) and
 with seeds of its own (``seeds = [0]``: only these, no more_seeds).
 
+``match_steps = "fedveca"`` (optional) runs that algorithm first in each cell and gives the others its total local
+steps (FedVeca's matched comparison, ``server/experiments/matched_steps.py``).
+
 The suites shipped with edgefl live beside this module in ``suites/``; ``--config FILE`` runs any other.
 """
 
@@ -120,6 +123,7 @@ class Suite:
     variants: list[Variant]
     overrides: dict[str, dict[str, Any]] = field(default_factory=dict)  # algorithm -> sections its runs override
     mode: str = "inprocess"
+    match_steps: str = ""  # the algorithm whose measured total local steps the others of its cell are given
     description: str = ""
     paper: str = ""
     scaled: str = ""
@@ -217,8 +221,8 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
     bench = data.pop("bench", None)
     if not isinstance(bench, dict):
         raise ConfigError(f"{where}: a suite needs a [bench] section with algorithms, partitions and seeds")
-    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "description", "paper", "scaled",
-             "more_seeds", "more_seeds_for"}  # fmt: skip
+    known = {"algorithms", "partitions", "seeds", "variants", "overrides", "mode", "match_steps", "description",
+             "paper", "scaled", "more_seeds", "more_seeds_for"}  # fmt: skip
     unknown = sorted(set(bench) - known)
     if unknown:
         raise ConfigError(
@@ -254,6 +258,11 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         raise ConfigError(
             f"{where}: bench.overrides.NAME must be tables of the sections that algorithm's runs override"
         )
+    match_steps = bench.get("match_steps", "")
+    if match_steps and match_steps not in algorithms:
+        raise ConfigError(
+            f"{where}: bench.match_steps must name one of bench.algorithms {algorithms}; got {match_steps!r}"
+        )
     suite = Suite(
         name=name,
         base=data,
@@ -263,6 +272,7 @@ def parse_suite(name: str, data: dict[str, Any], where: str) -> Suite:
         variants=variants,
         overrides=overrides,
         mode=mode,
+        match_steps=match_steps,
         description=str(bench.get("description", "")),
         paper=str(bench.get("paper", "")),
         scaled=str(bench.get("scaled", "")),
