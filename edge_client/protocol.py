@@ -173,6 +173,7 @@ class Update:
     metrics: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)  # the values the algorithm's contract returns
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    overhead_s: float = 0.0  # of compute_s, the per-round work outside the local steps (FedVeca's gradient pass)
     run_id: str = ""
     codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
     msg_id: str = field(default_factory=new_msg_id)
@@ -527,6 +528,7 @@ _SPECS: dict[str, dict[str, tuple[str, Check]]] = {
         "local_steps": ("local_steps", _NONNEG),
         "compute_s": ("compute_s", _float(0.0)),
         "cpu_s": ("cpu_s", _float(0.0)),
+        "overhead_s": ("overhead_s", _float(0.0)),
         "train_loss": ("train_loss", _float(finite=False)),  # a diverged client may still report its NaN loss
         "metrics": ("metrics", _dict),
         "extras": ("extras", _dict),

@@ -89,6 +89,7 @@ class Distribution:
         self._published = ""  # sha256 of the model last broadcast by this server
         self._frames = 0  # frames of the last broadcast, retained: cleared at the end
         self._answered: set[str] = set()  # clients sent the current model on request this round
+        self.requested_bytes: dict[str, int] = {}  # per client: bytes of models sent on request this round
         self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
         self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
 
@@ -105,6 +106,7 @@ class Distribution:
         """Publish the round's model (unless this version went out already) and every assignment; per client the
         assignment as sent (naming the model) and its bytes."""
         self._answered.clear()
+        self.requested_bytes.clear()
         if not assignments:
             return {}
         slim = self.split(round_, version, assignments)
@@ -146,6 +148,7 @@ class Distribution:
             raise DuplicateMessage(f"{sender} was sent the model of round {model.round} once already")
         self._answered.add(sender)
         sent = self._publish(self.topics.down(sender), self.model_message(model))
+        self.requested_bytes[sender] = self.requested_bytes.get(sender, 0) + sent
         log.warning("round %d: %s did not get the model broadcast; sent it %d bytes on its own topic",
                     model.round, sender, sent)  # fmt: skip
 

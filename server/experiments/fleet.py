@@ -201,6 +201,7 @@ def slowed(train: TrainFn, share: float) -> TrainFn:
         result = train(flat, weights, data, sampler, plan, algorithm)
         result.cpu_s /= share
         result.compute_s = result.cpu_s
+        result.overhead_s = result.overhead_cpu_s = result.overhead_cpu_s / share
         return result
 
     return run
