@@ -372,7 +372,7 @@ def test_a_client_under_a_tenth_of_a_core_computes_several_times_slower_and_the_
     gets more than its quota (wall time >= its CPU seconds / its share, whatever else runs on the machine), so the same
     work takes the slow one several times longer whenever the machine gives the fast one more than the slow one's
     cap (about 5x on an idle machine; on one saturated by other work both get less than 10% and the caps are all that
-    can be seen); and the seconds per step the server predicts with are the ones the client measured (its log)."""
+    can be seen); and the overhead and seconds per step the server predicts with are the ones the client measured."""
     steps = 300
     (tmp_path / "run.toml").write_text(f"""
 [run]
@@ -416,7 +416,9 @@ downlink_mbps = 100
     assert logged, "the slow client's log has no line for round 1"
     predicted = rows[1]["predictions"]["client-01"]
     assert predicted["steps"] == steps
-    assert predicted["s_per_step"] * steps == pytest.approx(float(logged.group(1)), abs=5e-4)
+    # its overhead, reported beside compute_s over the broker, and its steps add up to the compute it logged
+    assert 0 < predicted["overhead_s"] < predicted["s_per_step"] * steps
+    assert predicted["overhead_s"] + predicted["s_per_step"] * steps == pytest.approx(float(logged.group(1)), abs=5e-4)
     assert (out / "timeline.png").stat().st_size > 10_000
 
 
