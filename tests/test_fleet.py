@@ -235,9 +235,16 @@ def test_the_server_fits_each_clients_steps_to_the_budget_after_its_overhead(
         assert p["overhead_s"] == pytest.approx(0.5)
         assert p["predicted_s"] == pytest.approx(0.5 + speeds[cid] * second[cid])
     for row in rows:
+        # these fake devices miss the broadcast and ask for the model: in round 1 the server sent it once to all and
+        # once more to each of the three, and each device's link carried its assignment, the broadcast and its own
+        # copy; round 2 starts from the same model (zero updates), which nobody is sent again
+        assignments = sum(i["bytes_down"] for i in row["instructions"].values())
+        model, rest = divmod(row["bytes_out"] - assignments, 1 + len(speeds))
+        assert rest == 0 and (model > 1000) == (row["round"] == 1) and (model == 0) == (row["broadcast"] == "")
         for cid, c in row["clients"].items():
             assert c["overhead_s"] == pytest.approx(0.5) and c["compute_s"] == pytest.approx(0.5 + speeds[cid] * (
                 row["instructions"][cid]["local_steps"]))  # fmt: skip
+            assert c["bytes_down"] == row["instructions"][cid]["bytes_down"] + 2 * model
     assert rows[0]["predictions"] == dict.fromkeys(speeds)  # nothing measured before round 1
 
 
