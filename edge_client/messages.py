@@ -179,7 +179,7 @@ class Update:
         NONNEG, note="the samples it registered with, else num_samples; its weight capped at clients.max_weight_share"
     )
     local_steps: int = on_wire(NONNEG, note="the steps it was assigned, else steps")
-    compute_s: float = on_wire(number(0.0))
+    compute_s: float = on_wire(number(0.0), note="clamped to [0, 86400] s (server.deadlines) where predictions use it")
     cpu_s: float = on_wire(number(0.0))
     train_loss: float = on_wire(number(finite=False))  # a diverged client may still report its NaN loss
     delta: np.ndarray = vector(
@@ -201,6 +201,8 @@ class Update:
         "the contract's arrays: model-sized, finite, norm-bounded (contract), else shape / non_finite / norm",
         compressed=True,
     )
+    # of compute_s, the per-round work outside the local steps (FedVeca's gradient pass)
+    overhead_s: float = on_wire(number(0.0), default=0.0, note="at most compute_s where rows and predictions use it")
     run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
     codecs: dict[str, str] = field(default_factory=dict, compare=False)  # decode: wire codec of compressed arrays
     msg_id: str = field(default_factory=new_msg_id)

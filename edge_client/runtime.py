@@ -461,6 +461,7 @@ class EdgeClient:
             local_steps=result.local_steps,
             compute_s=result.compute_s,
             cpu_s=result.cpu_s,
+            overhead_s=result.overhead_s,
             train_loss=result.train_loss,
             delta=delta,
             metrics={

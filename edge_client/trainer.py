@@ -1,8 +1,11 @@
 """The local optimisation loop: exactly ``local_steps`` SGD steps, timed on their own.
 
 Wall time (``perf_counter``) and process CPU time (``process_time``, which sums torch's threads) cover the local
-computation only, the algorithm's own work included (FedVeca's full local gradient, STEM's second gradient); loading
-weights, serialising and communicating are timed elsewhere (RESEARCH.md section 3, plato PR #92).
+computation only, the algorithm's own work included (FedVeca's local gradient, STEM's second gradient); loading
+weights, serialising and communicating are timed elsewhere (RESEARCH.md section 3, plato PR #92). The part of it
+outside the steps (the algorithm's ``begin_round`` and ``end_round``: a fixed cost per round) is also timed apart as
+``overhead_s``, so the server predicts a round as overhead + steps x seconds per step: dividing all of it by the steps
+made FedVeca's steps look many times dearer than they are.
 
 The local optimiser is plain SGD (ALGORITHMS.md C7), with the run's ``momentum`` and ``weight_decay`` when set
 (FedUmf's paper uses 0.5 and 5e-4); the momentum buffer is reset every round. ``train_local`` takes a :class:`Plan`,
@@ -65,6 +68,8 @@ class TrainResult:
     compute_s: float
     cpu_s: float
     train_loss: float
+    overhead_s: float = 0.0  # of compute_s: begin_round and end_round (wall)
+    overhead_cpu_s: float = 0.0  # of cpu_s: the same work's process CPU seconds
     extras: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -101,6 +106,7 @@ def train_local(
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     algorithm.begin_round(ctx)
+    loop_wall, loop_cpu = time.perf_counter(), time.process_time()
     for step in range(plan.steps):
         idx = sampler.next()
         xb, yb = torch.from_numpy(x[idx]), torch.from_numpy(y[idx])
@@ -112,6 +118,7 @@ def train_local(
         if buf is not None:
             direction = buf.mul_(momentum).add_(direction)
         flat.params.add_(direction, alpha=-lr)
+    loop_wall, loop_cpu = time.perf_counter() - loop_wall, time.process_time() - loop_cpu
     delta = (ctx.start - flat.params).numpy()
     extras, arrays = algorithm.end_round(ctx, delta)
     compute_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -122,6 +129,8 @@ def train_local(
         compute_s=compute_s,
         cpu_s=cpu_s,
         train_loss=float(loss_sum) / max(1, plan.steps),
+        overhead_s=max(0.0, compute_s - loop_wall),
+        overhead_cpu_s=max(0.0, cpu_s - loop_cpu),
         extras=extras,
         arrays=arrays,
     )

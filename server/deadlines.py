@@ -1,15 +1,19 @@
 """Per-device deadlines: each round's deadline from what each selected client is predicted to need.
 
-A client's prediction is its own last measured seconds per local step times the steps it is told this round, plus its
-last measured transfer time. Transfers are measured on the server's clock (from publishing a client's assignment to
-its update's arrival, minus the compute the client reports; the client's own timestamp before training splits that
-into download and upload when it is plausible), or, in-process, modelled from the link rates of the client's device
-profile. A client keeps its estimate when it misses a round, so a device that missed one (a reconnect is enough) is
-given a deadline it can meet in the next, never one sized by the clients that happened to report
-(``clients.deadline_factor``, ``deadline_margin_s``, ``deadline_floor_s``, ``round_deadline_s``).
+A client's prediction is its own last measured per-round overhead (``Update.overhead_s``: the work outside the local
+steps, such as FedVeca's gradient pass) plus its seconds per local step (the rest of its compute over the steps it ran)
+times the steps it is told this round, plus its last measured transfer time. Transfers are measured on the server's
+clock (from publishing a client's assignment to its update's arrival, minus the compute the client reports; the
+client's own timestamp before training splits that into download and upload when it is plausible), or, in-process,
+modelled from the link rates of the client's device profile. A client keeps its estimate when it misses a round, so a
+device that missed one (a reconnect is enough) is given a deadline it can meet in the next, never one sized by the
+clients that happened to report (``clients.deadline_factor``, ``deadline_margin_s``, ``deadline_floor_s``,
+``round_deadline_s``).
 
 What a client reports is untrusted; a lie only moves its own prediction, which ``round_deadline_s`` bounds above and
-``deadline_floor_s`` below, and the steps policy clamps to ``[tau_min, tau_max]``.
+``deadline_floor_s`` below, and the steps policy clamps to ``[tau_min, tau_max]``. Its times enter clamped to physical
+ranges (``physical``): seconds in [0, ``MAX_DEVICE_S``], a step at least ``MIN_S_PER_STEP``, the overhead at most the
+compute it is part of, so no reported value (``compute_s = 1e-310``) makes a prediction infinite.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from typing import Any, Protocol
 from edge_client.messages import Update
 from server.config import ClientsSection
 
+#: Shortest seconds a local step is taken to last: no model with a gradient steps in under a microsecond on a CPU.
+MIN_S_PER_STEP = 1e-6
+#: Longest seconds a device's compute, overhead or transfer of one round is taken to last (a day).
+MAX_DEVICE_S = 86_400.0
+
+
+def physical(seconds: float) -> float:
+    """A reported duration within [0, ``MAX_DEVICE_S``] (0 for a non-finite one, which admission already refuses)."""
+    return min(MAX_DEVICE_S, max(0.0, seconds)) if math.isfinite(seconds) else 0.0
+
 
 class LinkModel(Protocol):
     """A device class's links (a fleet profile): seconds to move bytes down and up."""
@@ -32,11 +46,13 @@ class LinkModel(Protocol):
 
 @dataclass
 class Estimate:
-    """A client's last measurements: compute seconds per local step and seconds spent moving its model."""
+    """A client's last measurements: compute seconds per local step, its fixed compute per round (``overhead_s``)
+    and seconds spent moving its model."""
 
     s_per_step: float
     transfer_s: float
     round: int
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,14 +60,15 @@ class Prediction:
     steps: int
     s_per_step: float
     transfer_s: float
+    overhead_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.s_per_step * self.steps + self.transfer_s
+        return self.overhead_s + self.s_per_step * self.steps + self.transfer_s
 
     def row(self) -> dict[str, Any]:
-        return {"steps": self.steps, "s_per_step": self.s_per_step, "transfer_s": self.transfer_s,
-                "predicted_s": self.seconds}  # fmt: skip
+        return {"steps": self.steps, "s_per_step": self.s_per_step, "overhead_s": self.overhead_s,
+                "transfer_s": self.transfer_s, "predicted_s": self.seconds}  # fmt: skip
 
 
 def _finite(value: Any) -> float | None:
@@ -88,9 +105,9 @@ class DeviceTimes:
 
     # -- estimates -----------------------------------------------------------------------------------------------------
     def predict(self, client_id: str, steps: int) -> Prediction | None:
-        """``steps`` at the client's last measured speed plus its last transfers; None before it was measured."""
+        """Its overhead, ``steps`` at its last measured speed and its last transfers; None before it was measured."""
         e = self.estimates.get(client_id)
-        return None if e is None else Prediction(steps, e.s_per_step, e.transfer_s)
+        return None if e is None else Prediction(steps, e.s_per_step, e.transfer_s, e.overhead_s)
 
     def record(self, round_: int, update: Update, bytes_down: int, bytes_up: int) -> dict[str, float]:
         """Take an accepted update's times into the client's estimate; its phases for the metrics row."""
@@ -101,16 +118,25 @@ class DeviceTimes:
             phases = {"download_s": down, "upload_s": up}
         else:
             phases = self._measured(cid, update)
-        self._observe(cid, round_, update.compute_s, update.local_steps, phases["download_s"] + phases["upload_s"])
+        transfer = phases["download_s"] + phases["upload_s"]
+        self._observe(cid, round_, update.compute_s, update.local_steps, transfer, update.overhead_s)
         return phases
 
     def record_compute(self, round_: int, client_id: str, compute_s: float, steps: int) -> None:
-        """A compute report (training without upload): a new speed, the last transfer estimate kept."""
+        """A compute report (training without upload, no overhead reported): a new speed, the last overhead and
+        transfer estimates kept."""
         last = self.estimates.get(client_id)
-        self._observe(client_id, round_, compute_s, steps, last.transfer_s if last else 0.0)
+        overhead = min(last.overhead_s, compute_s) if last else 0.0
+        self._observe(client_id, round_, compute_s, steps, last.transfer_s if last else 0.0, overhead)
 
-    def _observe(self, client_id: str, round_: int, compute_s: float, steps: int, transfer_s: float) -> None:
-        self.estimates[client_id] = Estimate(compute_s / max(1, steps), transfer_s, round_)
+    def _observe(
+        self, client_id: str, round_: int, compute_s: float, steps: int, transfer_s: float, overhead_s: float = 0.0
+    ) -> None:
+        """The estimate from reported times, each clamped to its physical range (module docstring)."""
+        compute = physical(compute_s)
+        overhead = min(physical(overhead_s), compute)
+        per_step = max(MIN_S_PER_STEP, (compute - overhead) / max(1, steps))
+        self.estimates[client_id] = Estimate(per_step, physical(transfer_s), round_, overhead)
 
     def _measured(self, cid: str, update: Update) -> dict[str, float]:
         """Publish-to-arrival on the server's clock minus the reported compute, split at the client's own 'before
@@ -130,7 +156,7 @@ class DeviceTimes:
         for row in rows:
             for cid, c in row.get("clients", {}).items():
                 transfer = c.get("download_s", 0.0) + c.get("upload_s", 0.0)
-                self._observe(cid, row["round"], c["compute_s"], c["local_steps"], transfer)
+                self._observe(cid, row["round"], c["compute_s"], c["local_steps"], transfer, c.get("overhead_s", 0.0))
 
 
 def round_deadline(clients: ClientsSection, predictions: Mapping[str, Prediction | None]) -> float:

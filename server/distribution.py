@@ -85,6 +85,7 @@ class Distribution:
         self._frames = 0  # frames of the last broadcast, retained: cleared at the end
         self._answered: set[str] = set()  # clients sent the current model on request, and not lost since
         self._sends: Counter[str] = Counter()  # models sent to each client on request this round
+        self.requested_bytes: dict[str, int] = {}  # per client: bytes of models sent on request this round
         self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
         self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
 
@@ -102,6 +103,7 @@ class Distribution:
         assignment as sent (naming the model) and its bytes."""
         self._answered.clear()
         self._sends.clear()
+        self.requested_bytes.clear()
         if not assignments:
             return {}
         slim = self.split(round_, version, assignments)
@@ -148,6 +150,7 @@ class Distribution:
         self._answered.add(sender)
         self._sends[sender] += 1
         sent = self._publish(self.topics.down(sender), self.model_message(model))
+        self.requested_bytes[sender] = self.requested_bytes.get(sender, 0) + sent
         log.warning("round %d: %s did not get the model broadcast; sent it %d bytes on its own topic",
                     model.round, sender, sent)  # fmt: skip
 

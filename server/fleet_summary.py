@@ -3,8 +3,11 @@
 A client's class is what its hello names (``edge-client run --device-class``; simulated fleets set it), else its
 machine and core count. The parallel clock is for in-process runs, where clients train one after another: each round
 lasts as long as its slowest reporting device (its download, compute and upload, each on that device's clock: compute
-divided by its profile's share, transfers at its link rates) plus the server's own time (assigning, aggregating,
-evaluating). It is what a fleet of those devices would take; ``wall_clock_s`` stays the real time of this machine.
+divided by its profile's share, transfers at its link rates) plus the server work the devices wait for: assigning and
+aggregating, as that work's CPU seconds on the server's thread (``assign_cpu_s``, ``aggregate_cpu_s``), not its wall
+time, which on a shared machine counts whatever else runs. The server's test-set evaluation (``eval_s``) is not added:
+it runs beside the next round. It is what a fleet of those devices would take; ``wall_clock_s`` stays the real time of
+this machine.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ def device_class(device: Mapping[str, Any]) -> str:
 
 
 def parallel_round_s(row: Mapping[str, Any]) -> float:
-    """The round on the parallel clock: its slowest reporting device's download + compute + upload, plus the
-    server's assigning, aggregating and evaluating."""
+    """The round on the parallel clock: the server's assigning, then its slowest reporting device's download +
+    compute + upload, then the server's aggregating (CPU seconds; evaluation runs beside the next round)."""
     devices = [c["download_s"] + c["compute_s"] + c["upload_s"] for c in row["clients"].values()]
-    return max(devices, default=0.0) + row["assign_s"] + row["aggregate_s"] + row["eval_s"]
+    return row["assign_cpu_s"] + max(devices, default=0.0) + row["aggregate_cpu_s"]
 
 
 def fleet_summary(rows: list[dict[str, Any]], classes: Mapping[str, str], target: Target) -> dict[str, Any]:

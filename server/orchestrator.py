@@ -642,10 +642,10 @@ class Orchestrator:
                 self.wait_for_clients(len(self.online()) + 1)
             if self.on_round is not None:
                 self.on_round(round_)
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.thread_time()  # CPU seconds of this thread: the parallel clock's
             told, predictions = self._assign(round_, version, weights)
             state = self.current
-            assign_s = time.monotonic() - t0
+            assign_s, assign_cpu_s = time.monotonic() - t0, time.thread_time() - c0
             self.live.round_started(round_, t0 - start, told)
             assert state is not None
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
@@ -655,18 +655,21 @@ class Orchestrator:
             self.admission.close(state)
             self.current, folding, self.folding = None, self.folding, None
             updates = [state.received[c] for c in sorted(state.received)]  # without their vectors
-            t_agg = time.monotonic()
+            t_agg, c_agg = time.monotonic(), time.thread_time()
             dropped = None
             if updates and folding is not None:
                 weights, dropped = self._aggregate(round_, weights, folding)
                 version += dropped is None
             done = time.monotonic()  # the model is produced: time-to-target is stamped here
+            aggregate_cpu_s = time.thread_time() - c_agg
             row = {
                 "round": round_,
                 "elapsed_s": done - start,
                 "round_s": done - t0,
                 "assign_s": assign_s,
                 "aggregate_s": done - t_agg,
+                "assign_cpu_s": assign_cpu_s,  # the server's work the devices wait for, on the parallel clock
+                "aggregate_cpu_s": aggregate_cpu_s,
                 "clients_selected": len(state.selected),
                 "clients_reported": len(updates),
                 "missing": sorted(state.selected - set(state.received)),
@@ -756,15 +759,19 @@ class Orchestrator:
 
     def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
         """One admitted update's line in the round's row (``u`` as folded: its sample count is the weight it had)."""
-        bytes_down, bytes_up = told[u.client_id]["bytes_down"], state.bytes_up.get(u.client_id, 0)
+        # every byte the device's link carried down: its assignment, the round's broadcast (the model or its
+        # difference, counted once in the server's bytes_out) and any model it asked for on its own topic
+        d = self.distribution
+        bytes_down = told[u.client_id]["bytes_down"] + d.model_bytes + d.requested_bytes.get(u.client_id, 0)
+        bytes_up = state.bytes_up.get(u.client_id, 0)
         record = self.clients.get(u.client_id)
         registered = record.num_samples if record else u.num_samples
         capped = {"weight_samples": u.num_samples} if u.num_samples != registered else {}
         return {
             "device_class": device_class(record.device if record else {}),
-            # a device downloads its assignment and the round's model (broadcast to all, counted once in bytes_out)
-            **self.times.record(state.round, u, bytes_down + self.distribution.model_bytes, bytes_up),
+            **self.times.record(state.round, u, bytes_down, bytes_up),
             "compute_s": u.compute_s,
+            "overhead_s": min(u.overhead_s, u.compute_s),  # of compute_s: the work outside the local steps
             "cpu_s": u.cpu_s,
             "local_steps": u.local_steps,
             "num_samples": registered,

@@ -37,10 +37,17 @@ class MetricsLog:
 
 
 def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
-    """Bytes of one round as sent: up, the updates admitted (as received); down, the server's egress (the round's
-    model broadcast once, every assignment, every model a device asked for)."""
+    """Bytes of one round through the server's link: up, the updates admitted (as received); down, the server's
+    egress (``bytes_out``: the round's model broadcast once, every assignment, every model a device asked for)."""
     up = sum(c.get("bytes_up", 0) for c in row.get("clients", {}).values())
     return up, row.get("bytes_out", 0)
+
+
+def device_bytes(row: dict[str, Any]) -> int:
+    """Bytes of one round through the reporting devices' links, summed over them: each one's update up and its
+    ``bytes_down`` (its assignment, the broadcast model or difference, any model it asked for). About the number of
+    devices times the server's figure, since each device receives the broadcast the server sends once."""
+    return sum(c.get("bytes_up", 0) + c.get("bytes_down", 0) for c in row.get("clients", {}).values())
 
 
 def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[str, Any]:
@@ -50,16 +57,19 @@ def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[
     ``client_compute_to_target_s`` sums, over the rounds up to the first that reached the target, the compute time of
     that round's slowest client: TACO's time-to-accuracy metric (network time excluded). ``client_eval_total_s`` sums
     each evaluation's slowest device evaluation (device clocks), apart from training compute. ``bytes_to_target`` sums
-    every byte moved (up and down) in the rounds up to the target; ``codec_mix`` counts the assignments per codec.
+    every byte through the server's link (updates in, egress out) in the rounds up to the target;
+    ``device_bytes_to_target`` every byte through the reporting devices' links (``device_bytes``);
+    ``codec_mix`` counts the assignments per codec.
     """
     m = target.metric
     evaluated = [r for r in rows if target.of(r) is not None]
     reached = next((r for r in evaluated if target.reached(target.of(r))), None)
-    compute_to = bytes_to = None
+    compute_to = bytes_to = device_bytes_to = None
     traffic = [round_bytes(r) for r in rows]
     if reached is not None:
         compute_to = sum(r["slowest_compute_s"] for r in rows if r["round"] <= reached["round"])
         bytes_to = sum(up + down for r, (up, down) in zip(rows, traffic, strict=True) if r["round"] <= reached["round"])
+        device_bytes_to = sum(device_bytes(r) for r in rows if r["round"] <= reached["round"])
     codec_mix = Counter(i["codec"] for r in rows for i in r.get("instructions", {}).values() if "codec" in i)
     last, last_eval = (rows[-1] if rows else {}), (evaluated[-1] if evaluated else {})
     best = None
@@ -84,6 +94,7 @@ def summarize(rows: list[dict[str, Any]], target: Target, **extra: Any) -> dict[
         "bytes_up": sum(up for up, _ in traffic),
         "bytes_down": sum(down for _, down in traffic),
         "bytes_to_target": bytes_to,
+        "device_bytes_to_target": device_bytes_to,
         "codec_mix": dict(sorted(codec_mix.items())),
         "client_eval_total_s": sum(r["client_eval"]["slowest_eval_s"] for r in rows if "client_eval" in r),
         **extra,
@@ -139,8 +150,8 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: str) -> None:
-    """The target's metric against rounds, wall-clock time (server clock) and megabytes moved (up and down, as sent),
-    with the target drawn in."""
+    """The target's metric against rounds, wall-clock time (server clock) and megabytes through the server's link (up
+    and down, as sent: what ``bytes_to_target`` counts), with the target drawn in."""
     evaluated = [r for r in rows if target.of(r) is not None]
     rounds = [r["round"] for r in evaluated]
     acc = [target.of(r) for r in evaluated]
@@ -152,7 +163,7 @@ def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: s
     panels = (
         (axes[0], rounds, "round", "{:.0f}"),
         (axes[1], elapsed, "wall-clock time (s, server clock)", "{:.1f} s"),
-        (axes[2], moved, "megabytes moved, up and down (as sent)", "{:.2f} MB"),
+        (axes[2], moved, "MB through the server's link (updates in, its egress out)", "{:.2f} MB"),
     )
     for ax, xs, label, fmt in panels:
         ax.plot(xs, acc, marker="o", markersize=3)

@@ -2,7 +2,8 @@
 
 ``train.steps_policy = "fixed"``: what the algorithm says (``train.local_steps``, FedNova's ``floor(E D_i / B)``,
 FedVeca's tau). ``"deadline"``: the most steps the client can finish within ``train.round_budget_s`` at its own last
-measured speed (the budget minus its transfers, over its seconds per step; ``server.deadlines``), at least
+measured speed (the budget minus its transfers and its per-round overhead, over its seconds per step, each clamped to
+a physical range; ``server.deadlines``), at least
 ``train.tau_min`` and at most ``train.tau_max`` (0: ``train.local_steps``); with an algorithm that chooses each
 client's steps itself (its contract's ``adaptive_steps``: FedVeca's tau) never more than what it chose. A client that
 has not been measured yet is told what the algorithm says, within the same bounds.
@@ -21,7 +22,7 @@ import math
 from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import Contract
 from server.config import TrainSection
-from server.deadlines import DeviceTimes
+from server.deadlines import MIN_S_PER_STEP, DeviceTimes
 
 
 def refusal(train: TrainSection) -> str | None:
@@ -63,9 +64,7 @@ class StepsPolicy:
         floor = min(self.tau_min, proposed) if self.adaptive else self.tau_min
         e = self.times.estimates.get(client_id)
         if e is None:  # not measured yet: what the algorithm says
-            fit = proposed
-        elif e.s_per_step <= 0:
-            fit = cap
-        else:
-            fit = math.floor((self.budget_s - e.transfer_s) / e.s_per_step + 1e-9)
-        return max(floor, min(cap, fit))
+            return max(floor, min(cap, proposed))
+        # compared before the floor: a budget of inf or a tiny s_per_step gives a quotient no int holds
+        fit = (self.budget_s - e.transfer_s - e.overhead_s) / max(e.s_per_step, MIN_S_PER_STEP) + 1e-9
+        return max(floor, cap if not fit < cap else math.floor(fit))

@@ -1,5 +1,6 @@
-"""timeline.png: one row per client and, for every round, the time it spent downloading, computing, uploading and
-idle, with each round's deadline drawn; where a fleet's time goes, and which device classes hold the rounds up.
+"""timeline.png: one row per client and, for every round, the time it spent downloading, on its per-round overhead
+(``overhead_s``: the work outside the local steps, such as FedVeca's gradient pass), computing its steps, uploading
+and idle, with each round's deadline drawn; where a fleet's time goes, and which device classes hold the rounds up.
 
 Over a broker the bars are on the server's wall clock: a client's bar starts when its assignment was published and
 ends when its update arrived (download and upload split at the client's own timestamp before training, see
@@ -22,7 +23,8 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-COLOURS = {"download": "tab:blue", "compute": "tab:orange", "upload": "tab:green", "idle": "0.88", "missed": "tab:red"}
+COLOURS = {"download": "tab:blue", "overhead": "tab:brown", "compute": "tab:orange", "upload": "tab:green",
+           "idle": "0.88", "missed": "tab:red"}  # fmt: skip
 #: A deadline at least this long is no deadline (in-process runs wait for every client).
 NO_DEADLINE_S = 1e8
 
@@ -39,18 +41,22 @@ def _segments(row: dict[str, Any], parallel: bool) -> dict[str, list[tuple[str, 
     start, length = _round_start(row, parallel)
     out: dict[str, list[tuple[str, float, float]]] = {}
     for cid, c in row["clients"].items():
-        t = start + (row["assign_s"] if parallel else c.get("sent_s", 0.0))
+        t = start + (row["assign_cpu_s"] if parallel else c.get("sent_s", 0.0))
+        overhead = c.get("overhead_s", 0.0)
         segs = []
-        for phase in ("download", "compute", "upload"):
-            seconds = c.get(f"{phase}_s", 0.0)
-            segs.append((phase, t, seconds))
+        phases = (("download", c.get("download_s", 0.0)), ("overhead", overhead),
+                  ("compute", c.get("compute_s", 0.0) - overhead), ("upload", c.get("upload_s", 0.0)))  # fmt: skip
+        for phase, seconds in phases:
+            if phase != "overhead" or seconds > 0:
+                segs.append((phase, t, seconds))
             t += seconds
         end = start + length
         if end > t:
             segs.append(("idle", t, end - t))
         out[cid] = segs
+    assigned = row["assign_cpu_s"] if parallel else row["assign_s"]
     for cid in row["missing"]:
-        out[cid] = [("missed", start + row["assign_s"], max(0.0, length - row["assign_s"]))]
+        out[cid] = [("missed", start + assigned, max(0.0, length - assigned))]
     return out
 
 

@@ -45,7 +45,7 @@ def make_assignment(weights: np.ndarray, tau: int, params: dict | None = None, l
         batch_size=4,
         algorithm="fedveca",
         weights=weights,
-        settings=params or {},
+        settings={"full_grad_batches": 0, **(params or {})},  # the full pass of Alg. 2 line 9 unless a test says
     )
 
 
@@ -229,8 +229,9 @@ def test_degenerate_a_m_zero_and_nonfinite() -> None:
     s = make_strategy(tau_init=9)
     beta = {"a": 1.0, "b": 0.0, "c": 1.0, "d": 2.0}
     delta = {"a": 1.0, "b": 1.0, "c": 0.0, "d": 3.0}
-    run_two_rounds(s, beta, delta)  # m = 0: A = 0 -> tau_max, A > 0 -> x = 1 -> 2
-    assert s.round_metrics()["tau"] == {"a": 2, "b": 50, "c": 50, "d": 2}
+    # A = 0.01, 0, 0, 0.12: the robust minimum is 0.01 (the zeros are below median / 20), the zeros count as it
+    run_two_rounds(s, beta, delta)
+    assert s.round_metrics()["tau"] == {"a": 20, "b": 20, "c": 20, "d": 2}
 
     # round 3: a non-finite A (overflowing beta^2, or NaN bypassing admission) keeps the previous tau, and m is
     # taken over the finite A only
@@ -243,13 +244,82 @@ def test_degenerate_a_m_zero_and_nonfinite() -> None:
         upd("e", 10, 9, g, g, float("inf"), 1.0, 3),  # new client with a non-finite A: stays at tau_init
     ]
     s.aggregate(3, w, ups)
-    assert s.round_metrics()["tau"] == {"a": 20, "b": 50, "c": 50, "d": 7, "e": 9}
+    assert s.round_metrics()["tau"] == {"a": 20, "b": 20, "c": 20, "d": 7, "e": 9}
     assert s.round_metrics()["A"]["b"] is None and s.round_metrics()["A"]["c"] is None
     json.dumps(s.round_metrics(), allow_nan=False)
     assert s.assign(4, "e").local_steps == 9
     # all A non-finite: nothing changes
     s.aggregate(4, w, [upd("a", 10, 20, g, g, float("nan"), 1.0, 4)])
     assert s.assign(5, "a").local_steps == 20
+
+
+def test_median_a_zero_keeps_the_f7_rule() -> None:
+    """Most clients at A = 0 (tau = 1 gives beta = delta = 0): m = 0, those get tau_max, the others reset (f)7."""
+    s = make_strategy()
+    run_two_rounds(s, {"a": 0.0, "b": 0.0, "c": 1.0}, {"a": 0.0, "b": 0.0, "c": 1.0})
+    assert s.round_metrics()["tau"] == {"a": 50, "b": 50, "c": 2}
+
+
+def test_one_device_reporting_zero_cannot_hold_honest_clients_at_two_steps() -> None:
+    """Issue 23: beta = delta = 0 from one device made m = 0, every honest client 2 steps and itself tau_max."""
+    beta = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0, "evil": 0.0}
+    delta = {"a": 2.0, "b": 2.2, "c": 3.0, "d": 3.82, "evil": 0.0}
+    s = make_strategy()
+    run_two_rounds(s, beta, delta)
+    honest = {c: beta[c] for c in "abcd"}
+    # the honest clients get what eq. 15 gives them without the hostile device; it gets the smallest one's 20
+    assert s.round_metrics()["tau"] == {**eq15(honest, delta, 0.95), "evil": 20} == {
+        "a": 20, "b": 7, "c": 2, "d": 2, "evil": 20}  # fmt: skip
+
+
+def test_robust_min_ignores_values_below_median_over_ratio() -> None:
+    from server.strategies.fedveca import ROBUST_MIN_RATIO, robust_min
+
+    assert ROBUST_MIN_RATIO == 20.0
+    assert robust_min([1.0, 9.0, 10.2, 11.0, 12.0]) == 1.0  # the honest spread (median up to 10.2x the smallest): kept
+    assert robust_min([1e-9, 1.0, 2.3, 2.9, 3.0]) == 1.0  # one tiny value below 2.3 / 20 is left out
+    assert robust_min([0.1, 0.6, 2.0, 2.2, 2.4]) == 0.1  # exactly median / 20: kept
+    assert robust_min([0.09, 0.6, 2.0, 2.2, 2.4]) == 0.6  # below it: left out
+    assert robust_min([0.0, 0.0, 1.0]) == 0.0
+
+
+def test_tau_floor_raises_small_taus_and_is_bounded_by_tau_max() -> None:
+    beta = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0, "e": 1.0}
+    delta = {"a": 2.0, "b": 2.2, "c": 3.0, "d": 3.82, "e": 10.0}
+    s = make_strategy(tau_floor=5)
+    run_two_rounds(s, beta, delta)
+    assert s.round_metrics()["tau"] == {"a": 20, "b": 7, "c": 5, "d": 5, "e": 5}
+    assert make_strategy().tau_floor == 1  # the paper's rule alone by default
+    with pytest.raises(ContractError, match=r"fedveca.tau_floor = 51: expected at most fedveca.tau_max \(50\)"):
+        make_strategy(tau_floor=51)
+
+
+def test_gradient_from_full_grad_batches_minibatches_of_the_stream() -> None:
+    """h over the first n_b batches of the client's stream; the steps take the batches after them."""
+    tau, lr, p, cid, n_b = 3, 0.3, 0.37, "c1", 2
+    data = make_dataset(n=40)
+    flat = make_flat()
+    w0 = flat.numpy()
+    a = make_assignment(w0, tau, {"P": p, "full_grad_batches": n_b}, lr)
+    res = train_assignment(flat, data, BatchSampler(len(data), 4, 0, cid), a, FedVecaClient())
+    stream = BatchSampler(len(data), 4, 0, cid)
+    idx = np.concatenate([stream.next() for _ in range(n_b)])
+    ref = make_flat()
+    h = torch.empty(ref.size)
+    ref.full_gradient(data.x[idx], data.y[idx], out=h)
+    np.testing.assert_allclose(res.arrays["grad"], h.numpy(), rtol=1e-5, atol=1e-7)
+    steps = [stream.next() for _ in range(tau)]
+    ref = make_flat()
+    for b in steps:  # plain SGD on the batches after the gradient's
+        ref.loss_and_grad(torch.from_numpy(data.x[b]), torch.from_numpy(data.y[b]))
+        ref.params.add_(ref.grad, alpha=-lr)
+    np.testing.assert_allclose(res.delta, (torch.from_numpy(w0) - ref.params).numpy(), rtol=1e-4, atol=1e-6)
+    # batches covering the data set (10 x 4 >= 40) are the full pass
+    full = make_assignment(w0, tau, {"P": p, "full_grad_batches": 10}, lr)
+    res = train_assignment(make_flat(), data, BatchSampler(len(data), 4, 0, cid), full, FedVecaClient())
+    ref = make_flat()
+    ref.full_gradient(data.x, data.y, out=h)
+    np.testing.assert_allclose(res.arrays["grad"], h.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_tau_init_rules_and_rounds_0_and_1_use_it() -> None:
@@ -270,7 +340,8 @@ def test_tau_init_rules_and_rounds_0_and_1_use_it() -> None:
 
 
 def test_invalid_parameters_are_rejected() -> None:
-    for bad in ({"alpha_k": 1.0}, {"alpha_k": 0.0}, {"tau_max": 0}, {"tau_min_reset": 0}, {"tau_init": -1}):
+    for bad in ({"alpha_k": 1.0}, {"alpha_k": 0.0}, {"tau_max": 0}, {"tau_min_reset": 0}, {"tau_init": -1},
+                {"tau_floor": 0}, {"full_grad_batches": -1}):  # fmt: skip
         (key, value), *_ = bad.items()
         with pytest.raises(ContractError, match=f"fedveca.{key} = {value!r}: expected"):
             make_strategy(**{"alpha_k": 0.95, **bad})

@@ -64,6 +64,7 @@ def test_the_model_is_broadcast_once_per_version_and_sent_on_request_once_per_ro
     sha = received[0].sha256
     dist.answer("a", ModelRequest(5, "a", sha), told={"a", "b"})
     assert dist.take_bytes_out() == model_bytes
+    assert dist.requested_bytes == {"a": model_bytes}  # counted in a's bytes_down (server.orchestrator)
     (_, again), none = device.receive(0), device.receive(0)
     assert again.sha256 == sha and none is None
     with pytest.raises(DuplicateMessage):
@@ -95,5 +96,6 @@ def test_a_federation_sends_one_model_per_round(tmp_path: Path) -> None:
         model = r["bytes_out"] - assignments
         assert assignments < 4 * 2048 < model  # the model message is far larger than the assignments
         for cid, c in r["clients"].items():
-            assert c["bytes_down"] == r["instructions"][cid]["bytes_down"]  # what the server sent this client alone
+            # every byte its link carried down: its assignment and the round's model (broadcast once to all)
+            assert c["bytes_down"] == r["instructions"][cid]["bytes_down"] + model
             assert c["device"]["bytes_down"] > model, cid  # what the device received: the model and its assignment

@@ -30,7 +30,7 @@ from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
 from server.config import ConfigError, from_dict, load_config, override
-from server.deadlines import DeviceTimes, Prediction, round_deadline
+from server.deadlines import MAX_DEVICE_S, MIN_S_PER_STEP, DeviceTimes, Prediction, round_deadline
 from server.experiments import cgroups
 from server.experiments.cgroups import CpuLimits
 from server.experiments.datasets import load_dataset
@@ -189,42 +189,90 @@ def test_the_deadline_policy_is_refused_with_fedavg_and_needs_a_budget() -> None
     assert from_dict({"train": {"algorithm": "fedavg", "steps_policy": "fixed"}}).train.steps_policy == "fixed"
 
 
-@pytest.mark.parametrize(("algorithm", "first", "second"), [
-    ("fednova", 50, {"fast": 100, "mid": 40, "slow": 10}),
-    ("fedveca", 20, {"fast": 20, "mid": 20, "slow": 10}),  # FedVeca's own tau (20) caps the policy
-])  # fmt: skip
-def test_the_server_fits_each_clients_steps_to_the_budget(
-    algorithm: str, first: int, second: dict[str, int], tmp_path: Path
-) -> None:
-    """Three fake devices report hand-made speeds in round 1; round 2's assignments fit the 2 s budget."""
-    speeds = {"fast": 0.01, "mid": 0.05, "slow": 0.2}
+def fake_fleet_run(
+    tmp_path: Path, algorithm: str, times: dict[str, tuple[float, float]], job: str = "steps"
+) -> list[dict[str, Any]]:
+    """Fake devices (in-process) that report ``compute_s = overhead + s_per_step x steps`` and ``overhead_s`` from
+    ``times[cid] = (s_per_step, overhead)``; the deadline policy fits round 2 into a 2 s budget; the metrics rows."""
     config = from_dict({
-        "run": {"rounds": 2, "out": str(tmp_path), "job": "steps"},
-        "clients": {"count": 3, "round_deadline_s": NO_DEADLINE_S, "register_timeout_s": 30.0},
+        "run": {"rounds": 2, "out": str(tmp_path), "job": job},
+        "clients": {"count": len(times), "round_deadline_s": NO_DEADLINE_S, "register_timeout_s": 30.0},
         "data": {"dataset": "digits"},
         "train": {"algorithm": algorithm, "local_steps": 50, "batch_size": 16, "lr": 0.05,
                   "steps_policy": "deadline", "round_budget_s": 2.0, "tau_min": 2, "tau_max": 100},
         "model": MLP,
         "algorithm": {"fednova": {"local_steps_mode": "fixed"}},
     })  # fmt: skip
-    bus, topics, contract = LocalBus(), Topics("steps"), CONTRACTS[algorithm]
-    for cid, s_per_step in speeds.items():
+    bus, topics, contract = LocalBus(), Topics(job), CONTRACTS[algorithm]
+    for cid, (s_per_step, overhead) in times.items():
 
-        def respond(a: Assignment, cid: str = cid, s_per_step: float = s_per_step) -> list[bytes | bytearray]:
-            return [encode(replace(zero_update(a, cid, 100, contract), compute_s=s_per_step * a.local_steps))]
+        def respond(a: Assignment, cid: str = cid, s: float = s_per_step, o: float = overhead) -> list[bytes]:
+            update = replace(zero_update(a, cid, 100, contract), compute_s=o + s * a.local_steps, overhead_s=o)
+            return [encode(update)]
 
         device = FakeDevice(None, topics, cid, 100, respond)  # type: ignore[arg-type]
         device.link = bus.connect([topics.down(cid), topics.broadcast, topics.server], device.hello)
         bus.add_client(device)
     link = LocalLink(bus, [topics.all_up], drives_clients=True)
     make_orchestrator(config, load_dataset("digits"), tmp_path, link=link, times=DeviceTimes(links={})).run()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("algorithm", "first", "second"), [
+    ("fednova", 50, {"fast": 100, "mid": 30, "slow": 7}),
+    ("fedveca", 20, {"fast": 20, "mid": 20, "slow": 7}),  # FedVeca's own tau (20) caps the policy
+])  # fmt: skip
+def test_the_server_fits_each_clients_steps_to_the_budget_after_its_overhead(
+    algorithm: str, first: int, second: dict[str, int], tmp_path: Path
+) -> None:
+    """Three fake devices report hand-made speeds and a 0.5 s per-round overhead in round 1; round 2's assignments
+    fit the 2 s budget as overhead + steps x seconds per step (the overhead is not spread over the steps)."""
+    speeds = {"fast": 0.01, "mid": 0.05, "slow": 0.2}
+    rows = fake_fleet_run(tmp_path, algorithm, {cid: (s, 0.5) for cid, s in speeds.items()})
     assert {c: t["local_steps"] for c, t in rows[0]["instructions"].items()} == dict.fromkeys(speeds, first)
     assert {c: t["local_steps"] for c, t in rows[1]["instructions"].items()} == second
-    for cid, p in rows[1]["predictions"].items():  # each prediction: its own speed x the steps it was told
+    for cid, p in rows[1]["predictions"].items():  # each prediction: its overhead + its own speed x the steps told
         assert p["s_per_step"] == pytest.approx(speeds[cid]) and p["steps"] == second[cid]
-        assert p["predicted_s"] == pytest.approx(speeds[cid] * second[cid])
+        assert p["overhead_s"] == pytest.approx(0.5)
+        assert p["predicted_s"] == pytest.approx(0.5 + speeds[cid] * second[cid])
+    for row in rows:
+        # these fake devices miss the broadcast and ask for the model: in round 1 the server sent it once to all and
+        # once more to each of the three, and each device's link carried its assignment, the broadcast and its own
+        # copy; round 2 starts from the same model (zero updates), which nobody is sent again
+        assignments = sum(i["bytes_down"] for i in row["instructions"].values())
+        model, rest = divmod(row["bytes_out"] - assignments, 1 + len(speeds))
+        assert rest == 0 and (model > 1000) == (row["round"] == 1) and (model == 0) == (row["broadcast"] == "")
+        for cid, c in row["clients"].items():
+            assert c["overhead_s"] == pytest.approx(0.5) and c["compute_s"] == pytest.approx(0.5 + speeds[cid] * (
+                row["instructions"][cid]["local_steps"]))  # fmt: skip
+            assert c["bytes_down"] == row["instructions"][cid]["bytes_down"] + 2 * model
     assert rows[0]["predictions"] == dict.fromkeys(speeds)  # nothing measured before round 1
+
+
+def test_a_tiny_reported_compute_time_gives_the_most_steps_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Issue 23: ``compute_s = 1e-310`` made the next round's ``math.floor(inf)`` raise OverflowError."""
+    rows = fake_fleet_run(tmp_path, "fednova", {"liar": (1e-312, 0.0), "honest": (0.05, 0.0)}, job="tiny")
+    assert 0 < rows[0]["clients"]["liar"]["compute_s"] < 1e-300
+    assert {c: t["local_steps"] for c, t in rows[1]["instructions"].items()} == {"liar": 100, "honest": 40}
+    assert rows[1]["predictions"]["liar"]["s_per_step"] == MIN_S_PER_STEP
+
+
+def test_reported_times_enter_the_policy_clamped_to_physical_ranges() -> None:
+    train = from_dict({"train": {"algorithm": "fednova", "steps_policy": "deadline", "round_budget_s": 2.0,
+                                 "tau_min": 2, "tau_max": 100}}).train  # fmt: skip
+    times = DeviceTimes(links={})
+    policy = StepsPolicy(train, CONTRACTS["fednova"], times)
+    a = Assignment(round=1, model_version=0, local_steps=10, lr=0.1, batch_size=8, algorithm="fednova")
+    for cid, compute, overhead in (("tiny", 1e-310, 0.0), ("huge", 1e300, 0.0), ("over", 1.0, 5.0)):
+        update = replace(zero_update(a, cid, 10, CONTRACTS["fednova"]), compute_s=compute, overhead_s=overhead)
+        times.record(1, update, 0, 0)
+    e = times.estimates
+    assert e["tiny"].s_per_step == MIN_S_PER_STEP and policy.steps("tiny", 50) == 100
+    assert e["huge"].s_per_step == MAX_DEVICE_S / 10 and policy.steps("huge", 50) == 2  # tau_min
+    assert e["over"].overhead_s == 1.0 and e["over"].s_per_step == MIN_S_PER_STEP  # overhead at most the compute
+    assert policy.steps("over", 50) == 100  # 1 s of overhead within 2 s
+    unbounded = StepsPolicy(replace(train, round_budget_s=float("inf")), CONTRACTS["fednova"], times)
+    assert unbounded.steps("tiny", 50) == unbounded.steps("huge", 50) == 100  # no floor of inf
 
 
 # ---------------------------------------------------------------------------------------- FedUmf's compute reports
@@ -274,13 +322,25 @@ def test_fedumf_unselected_clients_report_their_compute_and_it_is_counted(tmp_pa
 
 
 # ------------------------------------------------------------------------------------ the parallel clock, in-process
+def test_the_parallel_clock_adds_the_servers_cpu_seconds_and_not_the_evaluation_beside_the_next_round() -> None:
+    """A round: 3 s of assigning and 4 s of aggregating on the wall clock of a loaded machine, 0.02 and 0.05 CPU
+    seconds of it; 9 s of evaluation running beside the next round; its slowest device 1 + 5 + 2 s."""
+    row = {
+        "assign_s": 3.0, "aggregate_s": 4.0, "assign_cpu_s": 0.02, "aggregate_cpu_s": 0.05, "eval_s": 9.0,
+        "clients": {"a": {"download_s": 1.0, "compute_s": 5.0, "upload_s": 2.0},
+                    "b": {"download_s": 0.1, "compute_s": 1.0, "upload_s": 0.1}},
+    }  # fmt: skip
+    assert parallel_round_s(row) == pytest.approx(0.02 + 8.0 + 0.05)
+
+
 def test_slowed_divides_the_measured_cpu_seconds_by_the_share() -> None:
     def measured(*_: Any) -> TrainResult:
-        return TrainResult(np.zeros(1, np.float32), 10, 0.3, 0.2, 0.0)
+        return TrainResult(np.zeros(1, np.float32), 10, 0.3, 0.2, 0.0, overhead_s=0.06, overhead_cpu_s=0.05)
 
     plan = Plan(steps=10, lr=0.1, batch_size=8, round=1)
     result = slowed(measured, replace(SHIPPED["pi4"], cpu_share=0.1))(None, None, None, None, plan, None)  # type: ignore[arg-type]
     assert (result.compute_s, result.cpu_s) == pytest.approx((2.0, 2.0))  # CPU seconds: what contention cannot inflate
+    assert (result.overhead_s, result.overhead_cpu_s) == pytest.approx((0.5, 0.5))  # the overhead's, likewise
 
 
 def test_a_throttling_profile_is_a_pi4_whose_share_drops_from_a_round_on() -> None:
@@ -394,10 +454,13 @@ def test_an_inprocess_fleet_keeps_the_parallel_clock_and_draws_the_timeline(tmp_
         c = row["clients"]["client-01"]
         assert c["device_class"] == "pi3" and row["clients"]["client-00"]["device_class"] == "pi5"
         broadcast = row["bytes_out"] - sum(i["bytes_down"] for i in row["instructions"].values())  # the round model
-        down = c["bytes_down"] + broadcast  # what the device downloads: its assignment and the model, sent once to all
-        assert (c["download_s"], c["upload_s"]) == pytest.approx(pi3.transfer_s(down, c["bytes_up"]))
+        assert broadcast > 10 * row["instructions"]["client-01"]["bytes_down"]
+        # what the device's link carried down: its assignment and the model, sent once to all
+        assert c["bytes_down"] == row["instructions"]["client-01"]["bytes_down"] + broadcast
+        assert (c["download_s"], c["upload_s"]) == pytest.approx(pi3.transfer_s(c["bytes_down"], c["bytes_up"]))
         slowest = max(x["download_s"] + x["compute_s"] + x["upload_s"] for x in row["clients"].values())
-        server = row["assign_s"] + row["aggregate_s"] + row["eval_s"]
+        server = row["assign_cpu_s"] + row["aggregate_cpu_s"]  # CPU seconds; the evaluation runs beside the next round
+        assert row["eval_s"] > 0 and server >= 0
         assert row["parallel_round_s"] == parallel_round_s(row) == pytest.approx(slowest + server)
         assert row["deadline_s"] == NO_DEADLINE_S  # in-process every client is waited for
     assert rows[1]["parallel_elapsed_s"] == pytest.approx(rows[0]["parallel_round_s"] + rows[1]["parallel_round_s"])
@@ -413,7 +476,7 @@ def test_a_client_under_a_tenth_of_a_core_computes_several_times_slower_and_the_
     gets more than its quota (wall time >= its CPU seconds / its share, whatever else runs on the machine), so the same
     work takes the slow one several times longer whenever the machine gives the fast one more than the slow one's
     cap (about 5x on an idle machine; on one saturated by other work both get less than 10% and the caps are all that
-    can be seen); and the seconds per step the server predicts with are the ones the client measured (its log)."""
+    can be seen); and the overhead and seconds per step the server predicts with are the ones the client measured."""
     steps = 300
     (tmp_path / "run.toml").write_text(f"""
 [run]
@@ -457,7 +520,9 @@ downlink_mbps = 100
     assert logged, "the slow client's log has no line for round 1"
     predicted = rows[1]["predictions"]["client-01"]
     assert predicted["steps"] == steps
-    assert predicted["s_per_step"] * steps == pytest.approx(float(logged.group(1)), abs=5e-4)
+    # its overhead, reported beside compute_s over the broker, and its steps add up to the compute it logged
+    assert 0 < predicted["overhead_s"] < predicted["s_per_step"] * steps
+    assert predicted["overhead_s"] + predicted["s_per_step"] * steps == pytest.approx(float(logged.group(1)), abs=5e-4)
     assert (out / "timeline.png").stat().st_size > 10_000
 
 

@@ -184,3 +184,17 @@ def test_summary_table_says_when_no_target_was_set() -> None:
 
     assert "target rmse" in rendered(None) and "none set" in rendered(None)
     assert "0.5000" in rendered(0.5) and "none set" not in rendered(0.5)
+
+
+def test_device_bytes_to_target_counts_every_devices_link_beside_the_servers() -> None:
+    """Two devices each receive the 3000-byte broadcast the server sends once: their links carry it twice."""
+
+    def row(round_: int, accuracy: float) -> dict[str, Any]:
+        clients = {cid: {"bytes_up": 100, "bytes_down": 3000 + 50} for cid in ("a", "b")}  # broadcast + assignment
+        return {"round": round_, "accuracy": accuracy, "loss": 1.0, "elapsed_s": round_, "slowest_compute_s": 0.1,
+                "clients": clients, "bytes_out": 3000 + 2 * 50}  # fmt: skip
+
+    s = summarize([row(1, 0.5), row(2, 0.95), row(3, 0.99)], Target.accuracy(0.9))
+    assert s["bytes_to_target"] == 2 * (200 + 3100)  # the server's link: updates in, its egress out
+    assert s["device_bytes_to_target"] == 2 * 2 * (100 + 3050)  # rounds 1 and 2, both devices, up and down
+    assert summarize([row(1, 0.5)], Target.accuracy(0.9))["device_bytes_to_target"] is None

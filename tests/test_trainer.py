@@ -126,6 +126,45 @@ def test_timings_and_loss() -> None:
     assert result.train_loss > 0  # cross-entropy of a random model on random labels
 
 
+class TickingClock:
+    """Stands in for ``time`` in the trainer: seconds advance only when the test says (no timing assertions)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def process_time(self) -> float:
+        return self.t / 2  # CPU seconds at half the wall clock's pace
+
+
+class FixedCosts(ClientAlgorithm):
+    """2 s before the steps, 0.1 s in each step, 0.5 s after them, on the ticking clock."""
+
+    def __init__(self, clock: TickingClock) -> None:
+        self.clock = clock
+
+    def begin_round(self, ctx: LocalContext) -> None:
+        self.clock.t += 2.0
+
+    def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
+        self.clock.t += 0.1
+
+    def end_round(self, ctx: LocalContext, delta: np.ndarray) -> tuple[dict, dict]:
+        self.clock.t += 0.5
+        return {}, {}
+
+
+def test_the_per_round_overhead_is_timed_apart_from_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = TickingClock()
+    monkeypatch.setattr("edge_client.trainer.time", clock)
+    result, _, _ = run(FixedCosts(clock), local_steps=10)
+    assert result.compute_s == pytest.approx(2.0 + 10 * 0.1 + 0.5)
+    assert result.overhead_s == pytest.approx(2.5)  # begin_round + end_round, not the steps
+    assert (result.cpu_s, result.overhead_cpu_s) == pytest.approx((1.75, 1.25))
+
+
 def test_same_seed_and_client_give_the_same_delta() -> None:
     first, _, start = run(FedAvgClient(), local_steps=6, client_id="c1", seed=5)
     second, _, _ = run(FedAvgClient(), local_steps=6, client_id="c1", seed=5, start=start)

@@ -254,8 +254,10 @@ def slowed(train: TrainFn, profile: DeviceProfile, facts: DeviceFacts | None = N
         if facts is not None:
             facts.round = plan.round
         result = train(flat, weights, data, sampler, plan, algorithm)
-        result.cpu_s /= profile.share_at(plan.round)
+        share = profile.share_at(plan.round)
+        result.cpu_s /= share
         result.compute_s = result.cpu_s
+        result.overhead_s = result.overhead_cpu_s = result.overhead_cpu_s / share
         return result
 
     return run
