@@ -175,6 +175,13 @@ def leaderboard(args: argparse.Namespace) -> tuple[Path, Path]:
         suite.base["train"]["batch_size"] = 16
         suite.use_fleet("pi5:1,pi4:1,pi3:1")
         suite.more_seeds = []
+    if args.column:
+        unknown = sorted(set(args.column) - {v.name for v in suite.variants})
+        if unknown:
+            raise SystemExit(
+                f"--column {unknown}: not a column of {LEADERBOARD_SUITE} {[v.name for v in suite.variants]}"
+            )
+        suite.variants = [v for v in suite.variants if v.name in args.column]
     if args.rounds or args.quick:
         suite.use_rounds(args.rounds or 2)
     algorithms = args.algorithms or ("fedavg,fednova@deadline" if args.quick else "")
@@ -255,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--leaderboard", metavar="FILE.md", help=f"run {LEADERBOARD_SUITE} and write its leaderboard")
     parser.add_argument("--seeds", default="", help="with --leaderboard: the seeds of every row instead of the suite's")
     parser.add_argument("--more-seeds", default=None, help="with --leaderboard: the extra seeds (empty: none)")
+    parser.add_argument(
+        "--column", action="append", help="with --leaderboard: only this column (a variant's name; repeat for more)"
+    )
     args = parser.parse_args(argv)
     if args.leaderboard:
         md, png = leaderboard(args)

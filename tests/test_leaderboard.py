@@ -74,7 +74,9 @@ def test_the_shipped_suite_has_every_algorithm_and_both_deadline_rows() -> None:
     assert len({a.partition("@")[0] for a in suite.algorithms}) == 14
     runs = suite.runs()
     deadline = {s.algorithm for s in runs if s.config.train.steps_policy == "deadline"}
-    assert deadline == {"fednova@deadline", "fedveca@deadline"}
+    assert deadline == {"fednova@deadline", "fedveca@deadline", "fedveca@fleet"}
+    fleet = next(s for s in runs if s.algorithm == "fedveca@fleet")  # FedVeca's recommended fleet configuration
+    assert fleet.config.algorithm_params()["tau_floor"] == 50
     by_column = {s.column: s for s in runs}
     assert {s.config.data.dataset for s in runs} == {"mnist", "fmnist"}
     hot = next(s for c, s in by_column.items() if "throttle" in c).config.fleet
