@@ -20,7 +20,7 @@ counts every round and every refusal.
 Devices evaluate (``[eval] mode = "clients"``): a round's row is then written as soon as the round closes, so the
 state machine can hold the server between rounds (it keeps receiving there), and evaluation reports are fuzzed too.
 
-``EDGEFL_FUZZ_EXAMPLES`` sets the number of federations (default 5: about half a minute; a release check runs 2000),
+``EDGEFL_FUZZ_EXAMPLES`` sets the number of federations (default 5, for the suite's time; a release check runs 2000),
 each of up to ``ROUNDS`` hostile rounds.
 """
 
