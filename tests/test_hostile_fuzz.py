@@ -238,6 +238,16 @@ class Context:
     steps: int
 
 
+def honest_hello(client_id: str) -> Hello:
+    """How every device of the fuzz registers: its training samples and a held-out split."""
+    return Hello(client_id, SAMPLES, {"hostname": client_id}, eval_samples=EVAL_SAMPLES)
+
+
+def honest_report(round_: int, client_id: str, run_id: str) -> Evaluation:
+    """A valid evaluation of the round's model on a device's held-out split."""
+    return Evaluation(round_, client_id, EVAL_SAMPLES, 0.5, {"accuracy": 0.5}, 0.01, 0.01, run_id)
+
+
 def _delta(kind: str, size: int) -> np.ndarray:
     fill = {"zero": 0.0, "small": 1e-3, "large": 9e3 / math.sqrt(size), "huge": 3e38, "nan": math.nan,
             "inf": math.inf}  # fmt: skip
@@ -251,7 +261,7 @@ def baseline(a: Action, ctx: Context) -> Message | Chunk:
     r = max(0, ctx.round + a.round_offset)
     match a.kind:
         case "hello":
-            return Hello(HOSTILE, SAMPLES, {"hostname": "fuzz"}, eval_samples=EVAL_SAMPLES)
+            return honest_hello(HOSTILE)
         case "update":
             d = _delta(a.delta, ctx.size)
             return Update(r, ctx.version, HOSTILE, SAMPLES, ctx.steps, 0.01, 0.01, 0.5, d, run_id=ctx.run_id)
@@ -264,7 +274,7 @@ def baseline(a: Action, ctx: Context) -> Message | Chunk:
         case "compute":
             return ComputeReport(r, HOSTILE, 1, 0.01, 0.01, ctx.run_id)
         case "evaluation":
-            return Evaluation(r, HOSTILE, EVAL_SAMPLES, 0.5, {"accuracy": 0.5}, 0.01, 0.01, ctx.run_id)
+            return honest_report(r, HOSTILE, ctx.run_id)
         case "resync":
             return Resync(HOSTILE, "", max(0, r - 1), ctx.run_id)
         case "stop":
@@ -306,12 +316,11 @@ class HonestDevice(FakeDevice):
     request with a valid report."""
 
     def hello(self) -> None:
-        msg = Hello(self.client_id, self.num_samples, {"hostname": self.client_id}, eval_samples=EVAL_SAMPLES)
-        self.link.publish(self.topics.up(self.client_id), encode(msg))
+        self.link.publish(self.topics.up(self.client_id), encode(honest_hello(self.client_id)))
 
     def handle(self, msg: Message) -> bool:
         if isinstance(msg, Evaluate):
-            report = Evaluation(msg.round, self.client_id, EVAL_SAMPLES, 0.5, {"accuracy": 0.5}, 0.01, 0.01, msg.run_id)
+            report = honest_report(msg.round, self.client_id, msg.run_id)
             self.link.publish(self.topics.up(self.client_id), encode(report))
         return super().handle(msg)
 
@@ -353,18 +362,18 @@ class HostileDevice(HonestDevice):
         if isinstance(msg, Evaluate):
             ctx = Context(msg.round, msg.model_version, msg.run_id, self.context.sha256, msg.weights.size, 1)
             self.play(self.plan.evaluation, ctx)
-            if self.plan.evaluates_with == "evaluation":
-                closing: Message = Evaluation(msg.round, HOSTILE, EVAL_SAMPLES, 0.5, {"accuracy": 0.5}, 0.01, 0.01,
-                                              msg.run_id)  # fmt: skip
-            else:
-                closing = Failure(msg.round, HOSTILE, "fuzz", "closing the evaluation", msg.run_id)
+            closing: Message = (
+                honest_report(msg.round, HOSTILE, msg.run_id)
+                if self.plan.evaluates_with == "evaluation"
+                else Failure(msg.round, HOSTILE, "fuzz", "closing the evaluation", msg.run_id)
+            )
             self.send([encode(closing)])
             return True
         return super().handle(msg)
 
     def register(self, timeout: float = 10.0) -> None:
         """Say an honest hello and wait for the server's answer (so whatever was sent before it has been handled)."""
-        msg = Hello(HOSTILE, SAMPLES, {"hostname": "fuzz"}, eval_samples=EVAL_SAMPLES)
+        msg = honest_hello(HOSTILE)
         self.send([encode(msg)])
         with self.acked:
             self.acked.wait_for(lambda: msg.msg_id in self.acks, timeout)
