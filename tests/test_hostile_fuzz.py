@@ -78,7 +78,7 @@ from server.orchestrator import Orchestrator
 pytestmark = pytest.mark.integration
 
 EXAMPLES = int(os.environ.get("EDGEFL_FUZZ_EXAMPLES", "5"))  # federations; the long mode sets thousands
-ROUNDS = 15  # the most hostile rounds in one federation
+ROUNDS = 10  # the most hostile rounds in one federation
 HONEST = ("fuzz-honest-0", "fuzz-honest-1")
 HOSTILE = "fuzz-hostile"
 SAMPLES, EVAL_SAMPLES = 50, 20  # what every device registers with
