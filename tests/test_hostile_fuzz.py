@@ -469,17 +469,13 @@ class Federation:
         for d in (*self.honest, self.hostile):
             d.start()
         self.thread.start()
-        self._wait(lambda: self.held.is_set(), timeout, "the devices to register")
+        deadline = time.monotonic() + timeout
+        while not self.held.wait(0.05):  # held before round 1 once the three devices registered
+            if not self.thread.is_alive():
+                self._raise("the run ended before round 1")
+            assert time.monotonic() < deadline, f"the devices did not register within {timeout:.0f} s"
         self.hostile.context = Context(0, 0, self.orch.run_id, "0" * 64, self.orch.num_params, 1)  # until assigned
         return self
-
-    def _wait(self, done: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            if not self.thread.is_alive():
-                self._raise("the run ended while waiting for " + what)
-            assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
-            time.sleep(0.01)
 
     def _raise(self, what: str) -> None:
         if self.error is not None:
