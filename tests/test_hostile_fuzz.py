@@ -49,8 +49,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-# Every protocol name this file uses, in one place (the messages may move to a module of their own).
-from edge_client.protocol import (
+from edge_client.messages import (
     Ack,
     Assignment,
     Chunk,
@@ -66,9 +65,9 @@ from edge_client.protocol import (
     Resync,
     Stop,
     Update,
-    encode,
     new_msg_id,
 )
+from edge_client.protocol import encode
 from edge_client.transport import LinkConfig
 from server.broker import Broker
 from server.config import from_dict
