@@ -10,6 +10,7 @@ from typing import Any
 
 import matplotlib
 
+from server.strict_json import strict_json
 from server.target import Target
 
 matplotlib.use("Agg")
@@ -28,12 +29,12 @@ class MetricsLog:
         is re-run) and continue appending after them."""
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         self.rows = [row for row in map(json.loads, filter(None, lines)) if row["round"] <= last_round]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.path.write_text("".join(strict_json(row) + "\n" for row in self.rows))
 
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(strict_json(row) + "\n")
 
 
 def round_bytes(row: dict[str, Any]) -> tuple[int, int]:
@@ -105,6 +106,11 @@ def _without_devices(client_eval: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in client_eval.items() if k != "devices"}
 
 
+def _map(value: Any) -> dict[str, Any]:
+    """A device-reported entry that should be a map (its telemetry is free-form within its declared bounds)."""
+    return value if isinstance(value, dict) else {}
+
+
 def client_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per client over the run: rounds reported, mean compute and CPU seconds, traffic, what the device reported
     (peak resident memory, hottest temperature, lowest CPU frequency, Raspberry Pi throttling flags), and its
@@ -116,7 +122,7 @@ def client_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             s["rounds"] += 1
             for key in ("compute_s", "cpu_s", "bytes_up", "bytes_down"):
                 s[key] += c.get(key, 0)
-            dev = c.get("device", {}).get("round", {})
+            dev = _map(_map(c.get("device")).get("round"))
             for key, src, pick in (
                 ("peak_rss_mb", ("peak_rss_mb",), max),
                 ("max_temperature_c", ("temperature_c_before", "temperature_c_after"), max),
@@ -146,7 +152,7 @@ def _blank() -> dict[str, Any]:
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    path.write_text(strict_json(summary, indent=2) + "\n")
 
 
 def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: str) -> None:

@@ -198,3 +198,28 @@ def test_device_bytes_to_target_counts_every_devices_link_beside_the_servers() -
     assert s["bytes_to_target"] == 2 * (200 + 3100)  # the server's link: updates in, its egress out
     assert s["device_bytes_to_target"] == 2 * 2 * (100 + 3050)  # rounds 1 and 2, both devices, up and down
     assert summarize([row(1, 0.5)], Target.accuracy(0.9))["device_bytes_to_target"] is None
+
+
+def _strict(text: str) -> Any:
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_device_s_nan_or_inf_leaves_metrics_and_summary_strict_json(tmp_path: Path) -> None:
+    """A diverged device's NaN loss and an absurd compute time (1e308 s per 100 steps overflow to inf) must not make
+    the run's records unreadable: the offending values are left out, the rest of the record is kept."""
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.append({"round": 1, "accuracy": 0.5, "clients": {"c0": {"train_loss": float("nan"), "compute_s": 1.0}}})
+    (row,) = [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["accuracy"] == 0.5 and row["clients"]["c0"] == {"compute_s": 1.0}
+    write_summary(tmp_path / "summary.json", {"final_accuracy": 0.5, "per_class": {"x": {"s_per_100": float("inf")}}})
+    assert _strict((tmp_path / "summary.json").read_text()) == {"final_accuracy": 0.5, "per_class": {"x": {}}}
+
+
+def test_client_summary_tolerates_telemetry_of_the_wrong_shape() -> None:
+    """``metrics.round`` is a map from honest devices; a device sending a number there must not end the summary."""
+    rows = [{"round": 1, "clients": {"c0": {"compute_s": 1.0, "cpu_s": 1.0, "bytes_up": 1, "bytes_down": 1,
+                                             "device": {"round": 5}}}}]  # fmt: skip
+    assert client_summary(rows)["c0"]["rounds"] == 1

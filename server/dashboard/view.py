@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.live_state import LIVE_FILE, strict_json
+from server.live_state import LIVE_FILE
+from server.strict_json import strict_json
 
 TIMELINE_FILE = "timeline.png"
 #: Hello fields that name a device's class (a fleet profile); without one, the class is told by its hardware.
