@@ -178,9 +178,8 @@ def leaderboard(args: argparse.Namespace) -> tuple[Path, Path]:
     if args.column:
         unknown = sorted(set(args.column) - {v.name for v in suite.variants})
         if unknown:
-            raise SystemExit(
-                f"--column {unknown}: not a column of {LEADERBOARD_SUITE} {[v.name for v in suite.variants]}"
-            )
+            names = [v.name for v in suite.variants]
+            raise SystemExit(f"--column {unknown}: not a column of {LEADERBOARD_SUITE}; its columns: {names}")
         suite.variants = [v for v in suite.variants if v.name in args.column]
     if args.rounds or args.quick:
         suite.use_rounds(args.rounds or 2)
@@ -246,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.split("\n")[0])
     parser.add_argument("--modes", help="clocks to measure: inprocess, broker or both (default both; quick: inprocess)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds instead of the suite's 40")
@@ -265,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--column", action="append", help="with --leaderboard: only this column (a variant's name; repeat for more)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.leaderboard:
         md, png = leaderboard(args)
         print(f"wrote {md} and {png}")

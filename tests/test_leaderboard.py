@@ -4,12 +4,11 @@ plot that ``python -m benchmarks.fleet --leaderboard`` writes from a real (tiny)
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from benchmarks.fleet import leaderboard
+from benchmarks.fleet import build_parser, leaderboard
 from server.config import ConfigError
 from server.experiments import leaderboard as board
 from server.experiments.runner import rank
@@ -96,8 +95,10 @@ def test_the_leaderboard_ranks_by_time_to_target_with_the_spread_over_seeds() ->
 
 
 def test_quick_leaderboard_writes_the_markdown_with_its_columns_and_a_png(tmp_path: Path) -> None:
-    args = argparse.Namespace(leaderboard=str(tmp_path / "leaderboard.md"), runs=str(tmp_path / "runs"), quick=True,
-                              rounds=None, algorithms="", seeds="", more_seeds=None)  # fmt: skip
+    args = build_parser().parse_args([
+        "--leaderboard", str(tmp_path / "leaderboard.md"), "--runs", str(tmp_path / "runs"),
+        "--quick", "--column", "MNIST", "--column", "Fashion-MNIST",
+    ])  # fmt: skip
     md, png = leaderboard(args)
     text = md.read_text()
     for fact in ("Machine:", "Command: `python -m benchmarks.fleet", "Date:", "Seeds per row"):
@@ -122,3 +123,11 @@ def test_a_throttling_column_gets_the_timelines_of_its_deadline_rows(tmp_path: P
     [copied] = (tmp_path / "docs").glob("lb-timeline-*.png")
     assert copied.read_bytes() == b"\x89PNGfednova@deadline" and f"]({copied.name})" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_column_the_suite_does_not_have_is_refused_before_any_run(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["--leaderboard", str(tmp_path / "lb.md"), "--runs", str(tmp_path / "runs"),
+                                      "--column", "MNSIT"])  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--column \['MNSIT'\]: not a column of fleet-noniid; its columns: \['MNIST'"):
+        leaderboard(args)
+    assert not (tmp_path / "runs").exists()

@@ -187,7 +187,8 @@ def test_malformed(payload: bytes, words: tuple[str, ...]) -> None:
 
 
 def test_version_and_type() -> None:
-    _reject(_edit(GOOD, lambda h: h.update(v=1)), P.UnsupportedVersion, "version", "expected 2", "got 1")
+    expected = f"expected {P.PROTOCOL_VERSION}"
+    _reject(_edit(GOOD, lambda h: h.update(v=1)), P.UnsupportedVersion, "version", expected, "got 1")
     _reject(_edit(GOOD, lambda h: h.update(v=True)), P.UnsupportedVersion, "True")
     _reject(_edit(GOOD, lambda h: h.update(t="gossip")), P.UnknownMessageType, "gossip")
     _reject(_edit(GOOD, lambda h: h.update(t=["update"])), P.UnknownMessageType, "['update']")
