@@ -36,6 +36,10 @@ class ProtocolError(ValueError):
     """A frame that must be rejected; ``reason`` is a short code for metrics counters."""
 
     reason: str = "protocol"
+    #: what the refused frame said it was, once its header had been read (``decode``): a refused update still tells
+    #: the server that its sender's one update of that round will not come
+    of_type: str | None = None
+    of_round: int | None = None
 
 
 class MalformedMessage(ProtocolError):
@@ -337,41 +341,45 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
     dropped: list[tuple[str, str]] = []
     header, pos = read_header(payload, dropped)
     t, f = header["t"], header["f"]
-    schema = SCHEMAS[t]
-    kwargs: dict[str, Any] = {attr: f[key] for key, (attr, _) in schema.fields.items() if key in f}
-    kwargs["msg_id"] = header["id"]
-    if dropped:  # only a type whose maps drop entries has any (schema_of makes sure it has the field)
-        kwargs["dropped"] = dropped
-    compressed = {name: dtype for name, dtype, _ in header["a"] if not schema.blob and dtype != DTYPE}
-    expanded = sum(4 * shape[0] for name, _, shape in header["a"] if name in compressed)
-    if expanded > max_bytes:  # a few top-k entries may claim a vector of any length: bound what decoding allocates
-        raise MessageTooLarge(f"{t}: compressed arrays expand to {expanded} bytes, expected <= {max_bytes}")
-    extra: dict[str, np.ndarray] = {}
-    for name, dtype, shape in header["a"]:
-        if schema.blob:
-            count = math.prod(shape)
-            kwargs["data"] = memoryview(payload)[pos : pos + count]
-            pos += count
-            continue
-        if name in compressed:
-            try:
-                arr = codecs.decode_wire(dtype, shape[0], payload, pos)  # finite by construction, or refused
-            except codecs.CodecError as exc:
-                raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
-            pos += codecs.layout(dtype, shape[0]).nbytes
-        else:
-            count = math.prod(shape)
-            arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
-            pos += 4 * count
-            if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
-                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-                raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
-        if name[:2] == "x:":
-            extra[name[2:]] = arr
-        else:
-            kwargs[name] = arr
-    if schema.named:
-        kwargs["arrays"] = extra
-    if schema.vector_compressed and schema.named_compressed:  # an update: which codec each array came in
-        kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
-    return schema.cls(**kwargs)  # type: ignore[no-any-return]
+    try:
+        schema = SCHEMAS[t]
+        kwargs: dict[str, Any] = {attr: f[key] for key, (attr, _) in schema.fields.items() if key in f}
+        kwargs["msg_id"] = header["id"]
+        if dropped:  # only a type whose maps drop entries has any (schema_of makes sure it has the field)
+            kwargs["dropped"] = dropped
+        compressed = {name: dtype for name, dtype, _ in header["a"] if not schema.blob and dtype != DTYPE}
+        expanded = sum(4 * shape[0] for name, _, shape in header["a"] if name in compressed)
+        if expanded > max_bytes:  # a few top-k entries may claim a vector of any length: bound what decoding allocates
+            raise MessageTooLarge(f"{t}: compressed arrays expand to {expanded} bytes, expected <= {max_bytes}")
+        extra: dict[str, np.ndarray] = {}
+        for name, dtype, shape in header["a"]:
+            if schema.blob:
+                count = math.prod(shape)
+                kwargs["data"] = memoryview(payload)[pos : pos + count]
+                pos += count
+                continue
+            if name in compressed:
+                try:
+                    arr = codecs.decode_wire(dtype, shape[0], payload, pos)  # finite by construction, or refused
+                except codecs.CodecError as exc:
+                    raise CompressedPayloadError(f"{t}: array {name!r}", exc) from None
+                pos += codecs.layout(dtype, shape[0]).nbytes
+            else:
+                count = math.prod(shape)
+                arr = np.frombuffer(payload, DTYPE, count, pos).reshape(shape)
+                pos += 4 * count
+                if not math.isfinite(float(arr.sum(dtype=np.float64))):  # float64 cannot overflow here: NaN/Inf only
+                    bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                    raise NonFiniteValues(f"{t}: array {name!r} has {bad} non-finite values (NaN/Inf) of {arr.size}")
+            if name[:2] == "x:":
+                extra[name[2:]] = arr
+            else:
+                kwargs[name] = arr
+        if schema.named:
+            kwargs["arrays"] = extra
+        if schema.vector_compressed and schema.named_compressed:  # an update: which codec each array came in
+            kwargs["codecs"] = {name.removeprefix("x:"): dtype for name, dtype in compressed.items()}
+        return schema.cls(**kwargs)  # type: ignore[no-any-return]
+    except ProtocolError as exc:  # the header was valid: say what the frame claimed to be
+        exc.of_type, exc.of_round = t, f.get("round") if is_int(f.get("round")) else None
+        raise

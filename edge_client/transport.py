@@ -33,7 +33,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge_client import chunking
 from edge_client.messages import Message
-from edge_client.protocol import DuplicateMessage, MessageTooLarge, ProtocolError
+from edge_client.protocol import MessageTooLarge, ProtocolError
 from edge_client.topics import stream_of
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Link(Protocol):
 
     def limit_senders(self, budget: Callable[[str], int]) -> None: ...
 
-    def answer_repeats(self, answer: Callable[[str, str], None]) -> None: ...
+    def on_refused(self, hook: Callable[[str, ProtocolError], None]) -> None: ...
 
 
 class QueueFull(ProtocolError):
@@ -216,7 +216,7 @@ class Inbox:
         self._spool = Spool(spool_dir, max_queued_bytes) if spool_dir is not None else None
         self._queue_lock = threading.Lock()
         self._budget: Callable[[str], int] | None = None
-        self._answer_repeat: Callable[[str, str], None] | None = None
+        self._refused: Callable[[str, ProtocolError], None] | None = None
         self._reassembler = chunking.Reassembler(max_message_bytes=max_message_bytes)
 
     def limit_senders(self, budget: Callable[[str], int]) -> None:
@@ -224,10 +224,11 @@ class Inbox:
         self._budget = budget
         self._reassembler.budget = budget
 
-    def answer_repeats(self, answer: Callable[[str, str], None]) -> None:
-        """``answer(topic, msg_id)`` for each message dropped as a repeat of one already delivered (once per message,
-        not per chunk): a sender repeats a message whose answer it did not get, and needs the answer again."""
-        self._answer_repeat = answer
+    def on_refused(self, hook: Callable[[str, ProtocolError], None]) -> None:
+        """``hook(stream, error)`` for each frame refused in decoding, after it was counted: the caller may owe its
+        sender something (the answer again to a repeat whose answer it did not get) or stop waiting for it (an
+        update refused as it arrived: ``error.of_type``)."""
+        self._refused = hook
 
     def _offer(self, topic: str, payload: bytes) -> None:
         """Queue a frame from the network (any thread), or drop it when its sender or the link is over its bound."""
@@ -280,8 +281,8 @@ class Inbox:
                 msg = self._reassembler.feed(stream, payload)
             except ProtocolError as exc:
                 self.reject(topic, exc)
-                if isinstance(exc, DuplicateMessage) and exc.msg_id and self._answer_repeat is not None:
-                    self._answer_repeat(topic, exc.msg_id)
+                if self._refused is not None:
+                    self._refused(stream, exc)
                 continue
             if msg is not None:
                 return stream, msg

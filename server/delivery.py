@@ -69,12 +69,6 @@ class Delivery:
         self._send(sender, Ack(ack.of, ack.accepted, ack.round, ack.reason, ack.detail, ack.run_id))
         return True
 
-    def repeated(self, topic: str, msg_id: str) -> None:
-        """The link's hook for a repeat it dropped (``Link.answer_repeats``)."""
-        sender = self.topics.sender_of(topic)
-        if sender is not None:
-            self.repeat(sender, msg_id)
-
     def _send(self, sender: str, ack: Ack) -> None:
         self.link.publish(self.topics.down(sender), encode(ack))
 

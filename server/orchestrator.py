@@ -66,6 +66,7 @@ from edge_client.messages import (
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import (
     MAX_HEADER_BYTES,
+    DuplicateMessage,
     InvalidField,
     MessageTooLarge,
     OutOfRound,
@@ -218,7 +219,7 @@ class Orchestrator:
         )
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
         self.limits = RateLimits()  # per device and control message kind (server.rate_limits)
-        self.link.answer_repeats(self.delivery.repeated)
+        self.link.on_refused(self._refused)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -389,9 +390,7 @@ class Orchestrator:
             registered = record.num_samples if record else None
             norm = self.admission.check(sender, update, state, registered, self.run_id)
         except ProtocolError as exc:
-            owed = state is not None and update.round == state.round and sender in state.selected
-            if owed and sender not in state.received:  # its one update of the round is refused: do not wait for it
-                state.failed.setdefault(sender, f"rejected: {exc.reason}")
+            self._update_refused(sender, update.round, exc)
             raise
         assert state is not None and self.folding is not None  # admission refuses updates outside a round
         self.times.arrived(sender)
@@ -407,6 +406,23 @@ class Orchestrator:
             update.cpu_s,
             update.train_loss,
         )
+
+    def _refused(self, stream: str, exc: ProtocolError) -> None:
+        """The link's hook for a frame it refused in decoding (``Inbox.on_refused``)."""
+        sender = self.topics.sender_of(stream)
+        if sender is None:
+            return
+        if isinstance(exc, DuplicateMessage) and exc.msg_id:
+            self.delivery.repeat(sender, exc.msg_id)
+        elif exc.of_type == Update.TYPE and exc.of_round is not None:
+            self._update_refused(sender, exc.of_round, exc)
+
+    def _update_refused(self, sender: str, round_: int, exc: ProtocolError) -> None:
+        """An update of ``sender`` for ``round_`` refused: when it was the one the round waits for, stop waiting (the
+        device sends one update a round; a refused one would otherwise hold the round to its deadline)."""
+        state = self.current
+        if state is not None and round_ == state.round and sender in state.selected and sender not in state.received:
+            state.failed.setdefault(sender, f"rejected: {exc.reason}")
 
     def _failed(self, sender: str, failure: Failure) -> None:
         if failure.client_id != sender:

@@ -327,6 +327,18 @@ def test_non_finite(bad: float) -> None:
     _reject(P.encode(_update(arrays={"dc": extra})), P.NonFiniteValues, "'x:dc'", "1 non-finite")
 
 
+def test_a_refused_frame_says_what_it_claimed_to_be() -> None:
+    """Once the header was read, the error names the message type and round: a refused update tells the server not
+    to wait for that device's update of the round."""
+    delta = np.full(12, np.nan, np.float32)
+    with pytest.raises(P.NonFiniteValues) as info:
+        P.decode(P.encode(_update(delta=delta)))
+    assert (info.value.of_type, info.value.of_round) == ("update", 3)
+    with pytest.raises(P.MalformedMessage) as bad:  # no header: nothing is claimed
+        P.decode(b"\x00not msgpack")
+    assert (bad.value.of_type, bad.value.of_round) == (None, None)
+
+
 def test_nan_train_loss_is_reported_not_rejected() -> None:
     assert np.isnan(P.decode(P.encode(_update(train_loss=float("nan")))).train_loss)
 
