@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from edge_client.transport import LinkConfig
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
+from server.metrics_endpoint import METRICS_HELP, serve_metrics
 
 if TYPE_CHECKING:
     from server.bridge import BridgeSettings
@@ -91,6 +92,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
+    parser.add_argument("--metrics", metavar="HOST:PORT", help=METRICS_HELP)
     parser.add_argument(
         "--model-path",
         action="append",
@@ -204,19 +206,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
+    target = run_target_of(config, bundle)
     with (
         serve_dashboard(args.dashboard, out_dir),
-        RoundProgress(config.run.rounds, run_target_of(config, bundle)) as progress,
+        RoundProgress(config.run.rounds, target) as progress,
+        serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
     ):
         if args.in_process:
-            summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
+            summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=observer)
         else:
             with _broker_for(config, out_dir, ids) as (link, broker):
                 if broker is not None:
                     logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
                 else:  # an external broker: the clients share the server's login
                     logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
-                summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, observer=progress)
+                summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, observer=observer)
     _report(summary, out_dir, progress.console)
     return 0
 
@@ -287,8 +291,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds, target) as progress:
-            summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
+        with (
+            serve_dashboard(args.dashboard, out_dir),
+            RoundProgress(config.run.rounds, target) as progress,
+            serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
+        ):
+            summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=observer).run()
     _report(summary, out_dir, progress.console)
     return 0
 
