@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -106,6 +107,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def poll(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait until ``check()`` holds, or fail saying ``what`` did not happen within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
 
 
 def require_mosquitto() -> None:
