@@ -89,7 +89,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "edgefl_device_peak_rss_bytes": ("gauge", "Peak resident memory of the device's client process", DEVICE),
     "edgefl_rejected_messages_total": (
-        "counter", "Messages the server refused, by sender and reason (README: what devices send is not trusted)",
+        "counter", "Messages the server refused, by sender and reason",
         ("device", "reason"),
     ),
     "edgefl_run_round": ("gauge", "The last finished round", RUN),
@@ -163,7 +163,7 @@ class FleetMetrics(Collector):
         self._lock = threading.Lock()
         self._devices: dict[str, _Device] = {}
         self._run: Counter[str] = Counter()
-        self._last: dict[str, float] = {}  # the run's gauges from the last row
+        self._last: dict[str, float] = {"edgefl_run_round": 0.0}  # the run's gauges from the last row
 
     # -- the observer (orchestrator thread) --------------------------------------------------------------------------
     def waiting(self, text: str) -> None:

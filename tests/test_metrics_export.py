@@ -232,6 +232,8 @@ def test_grafana_dashboard_queries_name_served_metrics() -> None:
         assert names <= set(METRICS), f"{sorted(names - set(METRICS))} are not served: {expr}"
     for rule in re.findall(r"expr: (.*)", RULES.read_text()):
         assert set(NAME.findall(rule)) <= set(METRICS), rule
+    documented = set(re.findall(r"^\| `(edgefl_\w+)`", (ROOT / "docs" / "monitoring.md").read_text(), re.M))
+    assert documented == set(METRICS), "docs/monitoring.md's table lists every metric served"
 
 
 # ------------------------------------------------------------------------------------------------- the endpoint
