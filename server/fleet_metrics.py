@@ -312,7 +312,7 @@ class FleetMetrics(Collector):
 
         rejected: Counter[tuple[str, str]] = Counter()
         for cid, state in clients.items():
-            sender = cid if cid in self._devices else UNREGISTERED
+            sender = cid if cid in self._devices else OTHER if "registered_at" in state else UNREGISTERED
             for reason, count in _map(state.get("rejected")).items():
                 rejected[sender, self._reason(reason)] += _amount(count)
         for reason, count in _map(live.get("unattributed_rejections")).items():
