@@ -26,11 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edge_client.device import THROTTLE_BITS
 from server.broker import free_port
+from server.config import ConfigError
 from server.dashboard.server import Address
 from server.fleet_metrics import METRICS, OTHER, UNREGISTERED, FleetMetrics, declared_reasons
 from server.fleet_summary import device_class
 from server.live_state import LiveState
-from server.metrics_endpoint import MetricsEndpoint
+from server.metrics_endpoint import TOKEN_ENV, MetricsEndpoint, metrics_address
 from server.orchestrator import _Silent
 from server.target import Target
 
@@ -253,6 +254,18 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[MetricsEndpoint]:
     server = MetricsEndpoint(Address("127.0.0.1", 0, getattr(request, "param", None)), registry).start()
     yield server
     server.stop()
+
+
+def test_metrics_address_follows_the_dashboards_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match="--metrics expects HOST:PORT"):
+        metrics_address("9477")
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert metrics_address("127.0.0.1:9477").token is None
+    random = metrics_address("0.0.0.0:9477").token
+    assert random and random != metrics_address("0.0.0.0:9477").token
+    monkeypatch.setenv(TOKEN_ENV, "fixed-for-prometheus")
+    assert metrics_address("0.0.0.0:9477").token == "fixed-for-prometheus"
+    assert metrics_address("[::1]:9477").token is None
 
 
 def test_loopback_endpoint_refuses_a_foreign_host_name(endpoint: MetricsEndpoint) -> None:
