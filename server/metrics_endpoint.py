@@ -20,6 +20,7 @@ import secrets
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -113,11 +114,12 @@ class MetricsEndpoint:
     def _allowed(self, environ: dict[str, Any]) -> bool:
         token = self.address.token
         if token is None:
-            host = environ.get("HTTP_HOST", "").rpartition(":")[0] or environ.get("HTTP_HOST", "")
-            return is_loopback(host.strip("[]"))
+            host = environ.get("HTTP_HOST", "")
+            host = host[1:].partition("]")[0] if host.startswith("[") else host.partition(":")[0]
+            return is_loopback(host)
         header = environ.get("HTTP_AUTHORIZATION", "")
-        query = dict(p.partition("=")[::2] for p in environ.get("QUERY_STRING", "").split("&"))
-        given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else query.get("token", "")
+        query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+        given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else query.get("token", [""])[0]
         return secrets.compare_digest(given.encode("utf-8", "replace"), token.encode())
 
     def _count(self, final: bool) -> None:
