@@ -107,6 +107,7 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "edgefl_run_aggregation_seconds_total": ("counter", "Wall seconds the server spent aggregating updates", RUN),
     "edgefl_run_evaluation_seconds_total": ("counter", "Wall seconds of the server's test-set evaluations", RUN),
     "edgefl_run_dp_epsilon": ("gauge", "Differential privacy budget spent so far (only when DP is on)", RUN),
+    "edgefl_run_dp_delta": ("gauge", "The delta at which edgefl_run_dp_epsilon is spent (only when DP is on)", RUN),
 }  # fmt: skip
 
 
@@ -188,6 +189,7 @@ class FleetMetrics(Collector):
             "edgefl_run_accuracy": self.target.of(row, "accuracy"),
             "edgefl_run_target_metric": self.target.of(row),
             "edgefl_run_dp_epsilon": _finite(row.get("epsilon")),
+            "edgefl_run_dp_delta": _finite(row.get("delta")),
         }
         self._last.update({k: v for k, v in gauges.items() if v is not None and math.isfinite(v)})
         if "edgefl_run_time_to_target_seconds" not in self._last and self.target.reached(self.target.of(row)):

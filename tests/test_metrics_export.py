@@ -171,7 +171,7 @@ def test_served_metrics_pass_promtool(tmp_path: Path) -> None:
     live.heard("c0")
     live.rejected("c0", "malformed")
     for r in (1, 2):  # round 2 reaches the target
-        fleet.round_done(_row(r, {"c0": _report(1.0, ["throttled"])}, epsilon=0.5 * r))
+        fleet.round_done(_row(r, {"c0": _report(1.0, ["throttled"])}, epsilon=0.5 * r, delta=1e-5))
     live.close()
     served = {n for n in _samples(registry) if n.startswith("edgefl_")}
     assert served == set(METRICS), "every declared metric is served"
