@@ -46,11 +46,12 @@ class RoundProgress:
         slowest = max(row["clients"].values(), key=lambda c: c["compute_s"], default={})
         of = f" ({slowest['device_class']})" if slowest.get("device_class") else ""
         parallel = f"  parallel clock {row['parallel_elapsed_s']:.1f}s" if "parallel_elapsed_s" in row else ""
+        spent = f"  epsilon {row['epsilon']:.3g} (delta {row['delta']:.2g})" if "epsilon" in row else ""
         self.console.print(
             f"round {row['round']:>3}/{self.rounds}  {self._measured(row)}  "
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
             f"slowest compute {row['slowest_compute_s']:.2f}s{of}  elapsed {row['elapsed_s']:.1f}s{parallel}"
-            f"{missing}{rejected}",
+            f"{spent}{missing}{rejected}",
             highlight=False,
             soft_wrap=True,
         )

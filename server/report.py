@@ -188,6 +188,10 @@ def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: s
         if target.value is not None:  # else nothing is labelled
             ax.legend(loc="best")
     axes[0].xaxis.get_major_locator().set_params(integer=True)
+    if any("epsilon" in r for r in rows):  # differential privacy: the budget spent beside the accuracy it bought
+        spent = axes[0].twinx()
+        spent.plot([r["round"] for r in rows], [r["epsilon"] for r in rows], color="tab:red", linewidth=1)
+        spent.set_ylabel(f"epsilon spent (delta {rows[-1]['delta']:.2g})", color="tab:red")
     axes[0].set_ylabel(f"{target.metric} ({'test set' if target.source == 'server' else 'devices, held out'})")
     fig.suptitle(title)
     fig.tight_layout()
