@@ -10,7 +10,7 @@ from pathlib import Path
 import dp_accounting
 import numpy as np
 import pytest
-from conftest import make_config, make_update, run_simulated, run_to_end
+from conftest import make_config, make_update, run_benchmark_quick, run_simulated, run_to_end
 from dp_accounting import pld, rdp
 
 from edge_client.algorithms import CONTRACTS, contract_of
@@ -216,3 +216,14 @@ def test_a_run_over_mosquitto_with_central_dp_reaches_its_accuracy_within_budget
     assert summary["privacy"]["epsilon"] == pytest.approx(rows[-1]["epsilon"]) and summary["privacy"]["epsilon"] <= 160
     assert len(received) == 24 and max(received) <= 2.0
     assert (orch.out_dir / "report.png").exists()
+
+
+@pytest.mark.integration
+def test_benchmark_quick(tmp_path: Path) -> None:
+    """``python -m benchmarks.privacy --quick``: both variants ran, the budget was spent, the table and plot written."""
+    data, md = run_benchmark_quick("privacy", tmp_path)
+    by = {r["clipping"]: r for r in data["records"]}
+    assert set(by) == {"none", "fixed"} and by["fixed"]["epsilon"] == pytest.approx(8.0, abs=0.01)
+    assert by["none"]["epsilon"] is None and all(r["rounds"] == 3 for r in by.values())
+    assert "| iid | fixed | 8 |" in md and ("PASS" in md or "MISS" in md)
+    assert (tmp_path / "privacy.png").stat().st_size > 0
