@@ -20,6 +20,7 @@ from server.config import ConfigError
 from server.dp import accountant
 from server.dp.budget import Budget, budget_of
 from server.dp.mechanism import PrivateStrategy, adapted_clip_norm
+from server.dp.settings import dp_markdown
 from server.experiments.datasets import load_dataset
 from server.strategies import TrainSettings, make_strategy
 
@@ -227,3 +228,7 @@ def test_benchmark_quick(tmp_path: Path) -> None:
     assert by["none"]["epsilon"] is None and all(r["rounds"] == 3 for r in by.values())
     assert "| iid | fixed | 8 |" in md and ("PASS" in md or "MISS" in md)
     assert (tmp_path / "privacy.png").stat().st_size > 0
+
+
+def test_the_guide_lists_every_algorithm_as_its_contract_declares() -> None:
+    assert dp_markdown() in (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()

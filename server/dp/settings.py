@@ -74,3 +74,13 @@ def check_privacy(config: RunConfig) -> None:
             f"train.steps_policy = {config.train.steps_policy!r} is refused for {name} with [privacy]: the server's "
             "scale (the mean steps of the devices that reported) would depend on who reported; set 'fixed'"
         )
+
+
+def dp_markdown() -> str:
+    """The table of docs/privacy.md: whether each algorithm accepts DP, and what it needs or why not (a test keeps
+    the document equal to this)."""
+    lines = ["| algorithm | differential privacy | needs / why not |", "|---|---|---|"]
+    for name, c in CONTRACTS.items():
+        needs = ", ".join(f"`{k} = {v!r}`" for k, v in c.dp_requires) or "-"
+        lines.append(f"| `{name}` | {'refused' if c.dp_refusal else 'accepted'} | {c.dp_refusal or needs} |")
+    return "\n".join(lines)
