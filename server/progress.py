@@ -104,6 +104,11 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
         ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
+    if "privacy" in summary:  # differential privacy: the budget spent, and why the run stopped early
+        p = summary["privacy"]
+        rows.append(("epsilon spent", f"{p['epsilon']:.3f} (delta {p['delta']:.2g}, {p['mode']})"))
+        if p["stopped_by_budget"]:
+            rows.append(("stopped by the budget", p["stopped_by_budget"]))
     if "parallel_clock_s" in summary:  # in-process: the time a fleet of these devices would take
         rows.insert(6, ("parallel clock", fmt(summary["parallel_clock_s"], " s")))
         rows.insert(10, ("parallel clock to target", fmt(summary["parallel_clock_to_target_s"], " s")))

@@ -102,9 +102,6 @@ class PrivateStrategy:
             self.clip_norm = adapted_clip_norm(self.clip_norm, within, self.budget, noise_rng())
         return new
 
-    def round_metrics(self) -> dict[str, Any]:
-        return self.inner.round_metrics()
-
     def state_dict(self) -> dict[str, Any]:
         return {**self.inner.state_dict(), "dp_clip_norm": self.clip_norm}
 
