@@ -10,7 +10,7 @@ Each run goes to ``--runs DIR/<partition>-<variant>`` (metrics.jsonl, summary.js
 the accuracy); the plot of final accuracy against epsilon is ``<out>/privacy.png``. Time-to-target is the server's
 wall clock (in-process: every device on this machine, one after another).
 
-Quick (CI): digits, 20 devices at rate 0.25, 3 rounds, IID, epsilon 8 and no DP, fixed clipping.
+Quick (CI): digits, 20 devices at rate 0.25, 2 rounds of 5 steps, IID, epsilon 8 and no DP, fixed clipping.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def markdown(data: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
-        args.dataset, args.devices, args.fraction, args.rounds = "digits", 20, 0.25, 3
-        args.partitions, args.epsilons, args.adaptive, args.target, args.local_steps = "iid", "8", False, 0.5, 10
+        args.dataset, args.devices, args.fraction, args.rounds = "digits", 20, 0.25, 2
+        args.partitions, args.epsilons, args.adaptive, args.target, args.local_steps = "iid", "8", False, 0.5, 5
         args.delta = 1e-3  # below 1/20
     runs_dir = Path(args.runs) if args.runs else Path(args.out or "runs") / "bench-privacy"
     records = []
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.privacy", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="digits, 20 devices, 3 rounds, epsilon 8 and none (CI)")
+    parser.add_argument("--quick", action="store_true", help="digits, 20 devices, 2 rounds, epsilon 8 and none (CI)")
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--devices", type=int, default=100)
     parser.add_argument("--fraction", type=float, default=0.1, help="each device's chance to be selected a round")

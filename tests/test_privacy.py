@@ -225,7 +225,7 @@ def test_benchmark_quick(tmp_path: Path) -> None:
     data, md = run_benchmark_quick("privacy", tmp_path)
     by = {r["clipping"]: r for r in data["records"]}
     assert set(by) == {"none", "fixed"} and by["fixed"]["epsilon"] == pytest.approx(8.0, abs=0.01)
-    assert by["none"]["epsilon"] is None and all(r["rounds"] == 3 for r in by.values())
+    assert by["none"]["epsilon"] is None and all(r["rounds"] == 2 for r in by.values())
     assert "| iid | fixed | 8 |" in md and ("PASS" in md or "MISS" in md)
     assert (tmp_path / "privacy.png").stat().st_size > 0
 

@@ -85,9 +85,10 @@ class PrivateStrategy:
         return a
 
     def fold(self, rnd: Round, update: Update, norm: float | None = None) -> Update:
-        if self.central and not self.budget.secure_aggregation:
+        if self.central:
             rnd.sample_weights[update.client_id] = 1  # every update weighs the same: a weight is a per-device release
-            update, norm = clip_update(update, self.clip_norm, norm)
+            if not self.budget.secure_aggregation:  # a masked update cannot be clipped again
+                update, norm = clip_update(update, self.clip_norm, norm)
         return self.inner.fold(rnd, update, norm)
 
     def finish(self, rnd: Round) -> np.ndarray:
