@@ -10,15 +10,18 @@ Mironov, Talwar, Zhang 2019), integer orders: the fractional ones below 2 fail t
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import dp_accounting
-from dp_accounting import rdp
+if TYPE_CHECKING:
+    import dp_accounting
 
 ORDERS = (*range(2, 128), 128, 192, 256, 512, 1024)
 
 
 def event(noise_multiplier: float, sampling_rate: float, rounds: int, local: bool = False) -> dp_accounting.DpEvent:
     """``rounds`` rounds of the mechanism as one ``DpEvent``."""
+    import dp_accounting  # imported when a run uses DP: the library takes seconds to import on a loaded machine
+
     gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
     one = gaussian if local or sampling_rate >= 1.0 else dp_accounting.PoissonSampledDpEvent(sampling_rate, gaussian)
     return dp_accounting.SelfComposedDpEvent(one, rounds)
@@ -30,6 +33,8 @@ def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: f
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
+    from dp_accounting import rdp
+
     accountant = rdp.RdpAccountant(list(ORDERS))
     accountant.compose(event(noise_multiplier, sampling_rate, rounds, local))
     return float(accountant.get_epsilon(delta))
@@ -38,6 +43,9 @@ def epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: f
 def calibrate(target_epsilon: float, sampling_rate: float, rounds: int, delta: float, local: bool = False) -> float:
     """The smallest noise multiplier whose ``rounds`` rounds spend at most ``target_epsilon`` (Brent's method, the
     library's ``calibrate_dp_mechanism``)."""
+    import dp_accounting
+    from dp_accounting import rdp
+
     return float(
         dp_accounting.calibrate_dp_mechanism(
             lambda: rdp.RdpAccountant(list(ORDERS)),
