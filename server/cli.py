@@ -76,6 +76,10 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
         int,
         "the broker's packet limit in bytes when it advertises none (ejabberd); 0: what the broker says",
     ),
+    "--privacy": ("privacy__mode", str, "differential privacy: off, central or local (docs/privacy.md)"),
+    "--clip-norm": ("privacy__clip_norm", float, "DP: the L2 norm every device clips its update to"),
+    "--noise-multiplier": ("privacy__noise_multiplier", float, "DP: noise std / clip norm (0: from --target-epsilon)"),
+    "--target-epsilon": ("privacy__target_epsilon", float, "DP: the budget; the run stops before exceeding it"),
 }
 
 

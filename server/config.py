@@ -15,6 +15,8 @@
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
+[privacy]    mode = off | central | local, clip_norm, noise_multiplier, target_epsilon, delta, adaptive_clipping,
+             target_quantile, clip_learning_rate, secure_aggregation (docs/privacy.md; checked by server/dp/settings.py)
 ```
 
 Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose
@@ -158,6 +160,21 @@ class BrokerSection:
 
 
 @dataclass
+class PrivacySection:
+    """Differential privacy (docs/privacy.md); other privacy features add their keys here."""
+
+    mode: str = "off"  # "central": the server noises the sum; "local": each device noises its own update
+    clip_norm: float = 0.0  # C: the L2 norm each device clips its update to (all its uploaded arrays together)
+    noise_multiplier: float = 0.0  # z: noise std z * C; 0: derived from target_epsilon before the run starts
+    target_epsilon: float = 0.0  # the budget: the run stops before a round would spend more (0: no budget)
+    delta: float = 0.0  # 0: 1 / clients.count^1.1
+    adaptive_clipping: bool = False  # C follows the target_quantile of update norms (Andrew et al. 2021)
+    target_quantile: float = 0.5
+    clip_learning_rate: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
+    secure_aggregation: bool = False  # the devices add the noise in shares, the server only sees the masked sum
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
@@ -166,6 +183,7 @@ class RunConfig:
     broker: BrokerSection = field(default_factory=BrokerSection)
     fleet: FleetSection = field(default_factory=FleetSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
     model: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -267,6 +285,9 @@ class RunConfig:
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
         self._validate_fleet()
+        from server.dp.settings import check_privacy
+
+        check_privacy(self)
         return self
 
     def _validate_finite(self) -> None:

@@ -86,6 +86,7 @@ from server.deadlines import DeviceTimes, round_deadline
 from server.delivery import Delivery
 from server.distribution import Distribution
 from server.downlink import Downlink
+from server.dp.mechanism import Privacy
 from server.evaluation import EvaluationWorker, Evaluator, TestResult
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.fleet_summary import device_class, fleet_summary, parallel_round_s
@@ -170,10 +171,11 @@ class Orchestrator:
         self.observer = observer or _Silent()
         self.summary_extra = summary_extra or {}
         self.topics = Topics(config.run.job)
-        self.strategy: Strategy = make_strategy(
+        self.privacy = Privacy(config)  # [privacy]: the mechanism around the strategy and the budget (server.dp)
+        self.strategy: Strategy = self.privacy.wrap(make_strategy(
             config.train.algorithm, train_settings(config), config.algorithm_params(), config.run.seed,
             rounds=config.run.rounds,
-        )  # fmt: skip
+        ))  # fmt: skip
         self.root = root
         self.clients: dict[str, ClientRecord] = {}
         self.client_samples: dict[str, int] = {}  # shared with the strategy's context
@@ -588,6 +590,7 @@ class Orchestrator:
             dropped_rounds=[r["round"] for r in metrics.rows if r.get("dropped")],
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
+            **self.privacy.summary(metrics.rows),
             per_client=client_summary(metrics.rows),
             **fleet_summary(metrics.rows, classes, self.target),
         )
@@ -654,6 +657,8 @@ class Orchestrator:
         rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
         produced: Produced | None = None  # the previous round's model, under evaluation
         for round_ in range(self.last_round + 1, self.config.run.rounds + 1):
+            if self.privacy.exhausted(round_):  # it would spend more than [privacy] target_epsilon
+                break
             if not self.available():
                 self.wait_for_clients(len(self.online()) + 1)
             if self.on_round is not None:
@@ -701,6 +706,7 @@ class Orchestrator:
                 "rejected": dict(self.link.rejections - rejected_before),  # by reason
                 "excluded": sorted(self.strategy.excluded()),
                 "algorithm": self.strategy.round_metrics(),
+                **self.privacy.row(round_, self.strategy),
             }
             if dropped:
                 row["dropped"] = dropped

@@ -280,6 +280,7 @@ def make_config(
     partition: str = "iid",
     dataset: str = "digits",
     model: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
@@ -292,6 +293,7 @@ def make_config(
             "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
+            **({"privacy": privacy} if privacy else {}),
         }
     )
 

@@ -27,6 +27,10 @@ CONTRACT = Contract(
                 low=0.0, high=1.0),
         ANGLE_APPROX,
     ),
+    dp_refusal=(
+        "it scales each device's update by its own divergence from the reference "
+        "direction, a per-device statistic the noise does not cover"
+    ),
 )  # fmt: skip
 
 

@@ -46,6 +46,10 @@ CONTRACT = Contract(
     ),
     unequal_steps=True,
     adaptive_steps=True,
+    dp_refusal=(
+        "its step counts come from each device's own beta and delta estimates "
+        "and gradient, per-device releases the noise does not cover"
+    ),
 )  # fmt: skip
 
 

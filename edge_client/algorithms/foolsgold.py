@@ -16,6 +16,10 @@ CONTRACT = Contract(
         Setting("fixed_point_iters", int, 1, "evaluations of rho, each against the previous rho-weighted aggregate",
                 low=1),
     ),
+    dp_refusal=(
+        "its weights come from the pairwise similarities of the devices' "
+        "own updates, a per-device statistic the noise does not cover"
+    ),
 )  # fmt: skip
 
 

@@ -43,6 +43,7 @@ CONTRACT = Contract(
               required=False),
     ),
     returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit"),),
+    dp_refusal="", dp_requires=(("weighting", "uniform"),),
 )  # fmt: skip
 
 

@@ -80,6 +80,10 @@ CONTRACT = Contract(
     sends=(Array("global_delta", "w_{t-1} - w_t, the last global step, for clients that cannot derive it",
                  required=False, scope="global"),),
     uses_alpha=True,
+    dp_refusal=(
+        "TACO's alpha_i is computed from each device's own update and "
+        "sent back to it: a per-device release the noise does not cover"
+    ),
 )  # fmt: skip
 
 
@@ -96,8 +100,9 @@ def tailored_contract(base: Contract, description: str) -> Contract:
     server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
     settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
     return dataclasses.replace(
-        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True
-    )
+        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True,
+        dp_refusal=CONTRACT.dp_refusal, dp_requires=(),
+    )  # fmt: skip
 
 
 def tailored(coefficient: float, ctx: LocalContext) -> float:

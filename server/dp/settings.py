@@ -1,0 +1,86 @@
+"""``[privacy]`` checked at load: every refusal names the key and the fix (docs/privacy.md)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from edge_client.algorithms import CONTRACTS, contract_of
+
+if TYPE_CHECKING:
+    from server.config import RunConfig
+
+MODES = ("off", "central", "local")
+
+
+def default_delta(devices: int) -> float:
+    """``1 / n^1.1``: below ``1/n``, so the guarantee cannot be met by publishing one device's data outright."""
+    return 1.0 / devices**1.1
+
+
+def dp_algorithms() -> list[str]:
+    """The algorithms whose contract accepts DP."""
+    return [name for name, c in CONTRACTS.items() if not c.dp_refusal]
+
+
+def check_privacy(config: RunConfig) -> None:
+    """Raise ConfigError for a ``[privacy]`` combination that makes no sense, or an algorithm that refuses DP."""
+    from server.config import ConfigError
+
+    p, n = config.privacy, config.clients.count
+    if p.mode == "off":
+        given = [k for k in ("clip_norm", "noise_multiplier", "target_epsilon", "delta") if getattr(p, k)]
+        if given or p.adaptive_clipping:
+            key = given[0] if given else "adaptive_clipping"
+            raise ConfigError(f"privacy.{key} is set but privacy.mode = 'off'; set privacy.mode = 'central' or 'local'")
+        return
+    checks = [
+        ("privacy.mode", p.mode in MODES, "'off', 'central' or 'local'"),
+        ("privacy.clip_norm", p.clip_norm > 0, "a number > 0: noise needs each device's update bounded by clipping"),
+        ("privacy.noise_multiplier", p.noise_multiplier >= 0, "a number >= 0 (0: derived from target_epsilon)"),
+        ("privacy.target_epsilon", p.target_epsilon >= 0, "a number >= 0 (0: no budget)"),
+        (
+            "privacy.noise_multiplier",
+            p.noise_multiplier > 0 or p.target_epsilon > 0,
+            "a number > 0, or set privacy.target_epsilon and the multiplier is derived from it",
+        ),
+        ("privacy.delta", 0 <= p.delta < 1 / n, f"in [0, 1/clients.count = {1 / n:.3g}) (0: 1/clients.count^1.1)"),
+        ("privacy.target_quantile", 0 < p.target_quantile < 1, "a fraction in (0, 1)"),
+        ("privacy.clip_learning_rate", p.clip_learning_rate > 0, "a number > 0"),
+        (
+            "privacy.adaptive_clipping",
+            not (p.adaptive_clipping and (p.mode == "local" or p.secure_aggregation)),
+            "false with mode = 'local' or secure_aggregation (the server must see each device's clipped count)",
+        ),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{key} must be {expected}; got {getattr(p, key.split('.')[1])!r}")
+    name = config.train.algorithm
+    contract = contract_of(name)
+    if contract.dp_refusal:
+        raise ConfigError(
+            f"train.algorithm = {name!r} refuses privacy.mode = {p.mode!r}: {contract.dp_refusal}; "
+            f"choose one of {dp_algorithms()} or set privacy.mode = 'off'"
+        )
+    resolved = contract.resolve(config.algorithm_params())
+    for key, value in contract.dp_requires:
+        if resolved[key] != value:
+            raise ConfigError(
+                f"[algorithm.{name}] {key} = {resolved[key]!r} is refused with [privacy]: it makes one device's weight "
+                f"or steps depend on its data; set {key} = {value!r}"
+            )
+    if contract.unequal_steps and config.train.steps_policy != "fixed":
+        raise ConfigError(
+            f"train.steps_policy = {config.train.steps_policy!r} is refused for {name} with [privacy]: the server's "
+            "scale (the mean steps of the devices that reported) would depend on who reported; set 'fixed'"
+        )
+
+
+def dp_markdown() -> str:
+    """The table of docs/privacy.md: whether each algorithm accepts DP, and what it needs or why not (a test keeps
+    the document equal to this)."""
+    lines = ["| algorithm | differential privacy | needs / why not |", "|---|---|---|"]
+    for name, c in CONTRACTS.items():
+        needs = ", ".join(f"`{k} = {v!r}`" for k, v in c.dp_requires) or "-"
+        lines.append(f"| `{name}` | {'refused' if c.dp_refusal else 'accepted'} | {c.dp_refusal or needs} |")
+    return "\n".join(lines)
