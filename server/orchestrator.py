@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.messages import Evaluate, Presence, Stop
+from edge_client.messages import Evaluate, Stop
 from edge_client.models import build_model, get_flat
 from edge_client.protocol import encode
 from edge_client.tasks import build_task
@@ -52,7 +52,7 @@ from server.evaluation import EvaluationWorker, Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.live_state import LiveState
 from server.recorder import Produced, Recorder, RoundObserver
-from server.roster import Roster
+from server.roster import Roster, server_offline
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Round, assignment_summary
@@ -101,12 +101,11 @@ class Orchestrator:
         self.on_ready: Callable[[], None] | None = None  # once the clients to wait for registered, before round 1
         self.on_round: Callable[[int], None] | None = None  # before each round's assignments (a simulated fleet's)
         self.live = LiveState(out_dir, self._live_facts())  # live.json, for the dashboard
-        offline = encode(Presence(client_id="server", online=False, role="server", reason="connection lost"))
         self.link: Link = link or MqttLink(
             link_config,
             f"edgefl-server-{config.run.job}",
             [self.topics.all_up],
-            will=(self.topics.server, offline, True),
+            will=(self.topics.server, encode(server_offline("connection lost")), True),
             on_connect=self._announce,
             spool_dir=out_dir,  # the updates that arrive at once wait there, not in memory
         )
@@ -339,11 +338,8 @@ class Orchestrator:
     def _collect(self, state: RoundState) -> None:
         deadline = time.monotonic() + state.deadline_s
         while True:
-            waiting = [
-                c
-                for c in state.selected
-                if c not in state.received and c not in state.failed and self.roster.is_online(c)
-            ]
+            owed = state.selected - set(state.received) - set(state.failed)
+            waiting = [c for c in owed if self.roster.is_online(c)]
             remaining = deadline - time.monotonic()
             if not waiting or remaining <= 0:
                 break
@@ -389,8 +385,7 @@ class Orchestrator:
         try:
             self.distribution.clear()
             self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
-            offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
-            self.link.publish(self.topics.server, encode(offline), retain=True)
+            self.link.publish(self.topics.server, encode(server_offline("stopped", self.run_id)), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:
             self.link.stop()

@@ -28,6 +28,11 @@ log = logging.getLogger("edgefl.server")
 PRESENCE_REPLY_S = 10.0  # the least time between two presences sent to one device that registers without its model
 
 
+def server_offline(reason: str, run_id: str = "") -> Presence:
+    """The server's presence when it is gone: its last will (no run yet) or its goodbye at the end of a run."""
+    return Presence(client_id="server", online=False, role="server", reason=reason, run_id=run_id)
+
+
 @dataclass
 class ClientRecord:
     client_id: str
