@@ -63,6 +63,8 @@ log = logging.getLogger("edgefl.server")
 
 
 class Orchestrator:
+    """The synchronous round loop; the roster, dispatch and recorder it wires here are what any loop is built from."""
+
     def __init__(
         self,
         config: RunConfig,
@@ -127,10 +129,8 @@ class Orchestrator:
         self.recorder = Recorder(
             out_dir, config, self.target, roster=self.roster, checkpoint=self.checkpoint, link=self.link,
             topics=self.topics, distribution=self.distribution, times=self.times, reports=self.dispatch.reports,
-            task_name=self.task.name,
+            task_name=self.task.name, observer=observer,
         )  # fmt: skip
-        if observer is not None:
-            self.observer = observer
 
     @property
     def observer(self) -> RoundObserver:

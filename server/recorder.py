@@ -52,6 +52,8 @@ class RoundObserver(Protocol):
 
 
 class Silent:
+    """No progress display (tests, library use)."""
+
     def waiting(self, text: str) -> None:
         pass
 
@@ -88,6 +90,7 @@ class Recorder:
         times: DeviceTimes,
         reports: ComputeReports,
         task_name: str,
+        observer: RoundObserver | None = None,
     ) -> None:
         self.out_dir = out_dir
         self.config = config
@@ -100,17 +103,17 @@ class Recorder:
         self.times = times
         self.reports = reports
         self.task_name = task_name
-        self.observer: RoundObserver = Silent()
+        self.observer: RoundObserver = observer or Silent()
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
         self.best: float | None = None
-        self.exporter: BackgroundExporter | None = None
+        self.exporter: BackgroundExporter | None = None  # model.onnx written on a thread of its own, then published
         self._pending: Produced | None = None  # the previous round's model, under evaluation
         self._rejected_before: Counter[str] = Counter()  # what arrives before or between rounds counts in the next one
         self.unreported_rejections: Counter[str] = Counter()  # refused after the last round's row was written
 
     def begin(self, resumed_round: int | None) -> float:
-        """Start ``metrics.jsonl`` afresh, or keep its rows up to a resumed checkpoint's round; start the exporter.
-        The run's elapsed seconds so far."""
+        """Start ``metrics.jsonl`` afresh, or keep its rows up to a resumed checkpoint's round. The run's elapsed
+        seconds so far."""
         if resumed_round is None:
             self.metrics.path.write_text("")
         else:
@@ -118,9 +121,6 @@ class Recorder:
             self.times.replay(self.metrics.rows)
         for r in self.metrics.rows:
             self.best = self.target.of(r) if self.target.better(self.target.of(r), self.best) else self.best
-        self.exporter = BackgroundExporter(
-            self.roster.model_spec, self.out_dir / "model.onnx", on_done=self.publish_model, task=self.task_name
-        )
         return self.metrics.rows[-1]["elapsed_s"] if self.metrics.rows else 0.0
 
     def row(
@@ -221,7 +221,10 @@ class Recorder:
         value = self.target.of(row)
         if self.target.better(value, self.best):  # model.onnx is always the best global model so far
             self.best = value
-            assert self.exporter is not None  # begin() started it
+            if self.exporter is None:  # started by the first export: a run that records nothing starts no thread
+                self.exporter = BackgroundExporter(
+                    self.roster.model_spec, self.out_dir / "model.onnx", on_done=self.publish_model, task=self.task_name
+                )
             self.exporter.submit(p.weights, row["round"])
         self.observer.round_done(row)
         if self.config.run.stop_at_target and self.target.reached(value):
