@@ -153,7 +153,7 @@ class Dispatch:
             self.live.rejected(sender, exc.reason)
             error = exc
         if sender is not None:
-            self.delivery.answer(sender, msg, run_id, self.loop.current, error)
+            self.delivery.answer(sender, msg, run_id, state, error)
 
     def sender_budget(self, topic: str) -> int:
         """Bytes of chunked messages ``topic``'s sender may have in flight: one update of this round, if it owes one."""

@@ -127,9 +127,9 @@ class Orchestrator:
         self.dispatch = Dispatch(self, self.link, self.topics, self.roster, self.live, distribution=self.distribution,
                                  times=self.times, federated=self.federated, codecs=self.codecs)  # fmt: skip
         self.recorder = Recorder(
-            out_dir, config, self.target, roster=self.roster, checkpoint=self.checkpoint, link=self.link,
-            topics=self.topics, distribution=self.distribution, times=self.times, reports=self.dispatch.reports,
-            task_name=self.task.name, observer=observer,
+            out_dir, self.target, stop_at_target=config.run.stop_at_target, roster=self.roster, link=self.link,
+            topics=self.topics, checkpoint=self.checkpoint, distribution=self.distribution, times=self.times,
+            reports=self.dispatch.reports, task_name=self.task.name, observer=observer,
         )  # fmt: skip
 
     @property

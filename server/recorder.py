@@ -28,7 +28,6 @@ from edge_client.transport import Link
 from server.admission import RoundState
 from server.checkpoint import Checkpoint
 from server.compute_reports import ComputeReports
-from server.config import RunConfig
 from server.deadlines import DeviceTimes
 from server.distribution import Distribution
 from server.evaluation import TestResult
@@ -79,9 +78,9 @@ class Recorder:
     def __init__(
         self,
         out_dir: Path,
-        config: RunConfig,
         target: Target,
         *,
+        stop_at_target: bool,
         roster: Roster,
         checkpoint: Checkpoint,
         link: Link,
@@ -93,7 +92,7 @@ class Recorder:
         observer: RoundObserver | None = None,
     ) -> None:
         self.out_dir = out_dir
-        self.config = config
+        self.stop_at_target = stop_at_target  # run.stop_at_target: stop after the round that reached the target
         self.target = target
         self.roster = roster
         self.checkpoint = checkpoint
@@ -227,7 +226,7 @@ class Recorder:
                 )
             self.exporter.submit(p.weights, row["round"])
         self.observer.round_done(row)
-        if self.config.run.stop_at_target and self.target.reached(value):
+        if self.stop_at_target and self.target.reached(value):
             log.info("target %s %s reached in round %d; stopping", self.target.metric, self.target.value, row["round"])
             return True
         return False
