@@ -32,7 +32,7 @@ from server.fleet_metrics import METRICS, OTHER, UNREGISTERED, FleetMetrics, dec
 from server.fleet_summary import device_class
 from server.live_state import LiveState
 from server.metrics_endpoint import TOKEN_ENV, MetricsEndpoint, metrics_address
-from server.orchestrator import _Silent
+from server.recorder import Silent
 from server.target import Target
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def _row(round_: int, clients: dict[str, Any], **fields: Any) -> dict[str, Any]:
 def _fleet(run_dir: Path, hostile: bool) -> tuple[FleetMetrics, CollectorRegistry, LiveState]:
     """An exporter of a run in ``run_dir`` whose devices c0 and c1 registered (c1 with a hostile hello)."""
     live = LiveState(run_dir, {"algorithm": "fedavg", "rounds": 10})
-    fleet = FleetMetrics(run_dir, Target.accuracy(0.65), "fedavg", _Silent())
+    fleet = FleetMetrics(run_dir, Target.accuracy(0.65), "fedavg", Silent())
     live.start()
     live.registered("c0", {"device_class": "pi4"})
     live.registered(
@@ -249,7 +249,7 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
 @pytest.fixture
 def endpoint(request: pytest.FixtureRequest) -> Iterator[MetricsEndpoint]:
     registry = CollectorRegistry()
-    fleet = FleetMetrics(Path("/nonexistent"), Target.accuracy(0.9), "fedavg", _Silent())
+    fleet = FleetMetrics(Path("/nonexistent"), Target.accuracy(0.9), "fedavg", Silent())
     registry.register(fleet)
     server = MetricsEndpoint(Address("127.0.0.1", 0, getattr(request, "param", None)), registry).start()
     yield server
