@@ -481,7 +481,7 @@ def cause_lines(data: dict[str, Any]) -> list[str]:
 
 def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path | None = None) -> dict[str, Any]:
     from server.config import load_config
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
 
     rounds = rounds or (2 if quick else 10)
     with contextlib.ExitStack() as stack:

@@ -13,7 +13,7 @@
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
              codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
-[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
+[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
 
@@ -35,7 +35,8 @@ from typing import Any
 import tomllib
 
 from edge_client import codecs
-from edge_client.algorithms import contract_of
+from edge_client.algorithms import CONTRACTS, contract_of
+from server.device_profiles import fleet_size, profiles
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -138,7 +139,7 @@ class TrainSection:
 
 @dataclass
 class FleetSection:
-    """A simulated fleet of device classes (server/experiments/fleet.py); empty: every client is this machine."""
+    """A simulated fleet of device classes (server/device_profiles.py); empty: every client is this machine."""
 
     devices: str = ""  # "pi5:2,pi4:5,pi3:3": classes in client order (clients.count follows when not given)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [fleet.profiles.NAME]: add or replace
@@ -282,15 +283,26 @@ class RunConfig:
             )
 
     def _validate_steps_policy(self) -> None:
-        from server.steps_policy import refusal
-
-        why = refusal(self.train)
-        if why:
-            raise ConfigError(why)
+        """The deadline policy (server/steps_policy.py) needs a budget, and an algorithm whose contract tolerates
+        unequal steps."""
+        train = self.train
+        if train.steps_policy != "deadline":
+            return
+        if train.round_budget_s <= 0:
+            raise ConfigError(
+                "train.round_budget_s must be seconds > 0 with train.steps_policy = 'deadline' (the round time to fit)"
+            )
+        if contract_of(train.algorithm).unequal_steps:  # an unknown algorithm was refused on its own key before
+            return
+        tolerant = ", ".join(sorted(name for name, c in CONTRACTS.items() if c.unequal_steps))
+        raise ConfigError(
+            f"train.steps_policy = 'deadline' gives clients different local step counts, which {train.algorithm} "
+            "cannot aggregate: it averages raw updates, so the model would drift towards the objective of the clients "
+            "that ran more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose "
+            f"aggregation normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
+        )
 
     def _validate_fleet(self) -> None:
-        from server.experiments.fleet import fleet_size, profiles
-
         try:
             profiles(self.fleet.profiles)
             if self.fleet.devices:
@@ -374,8 +386,6 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
 def follow_fleet(config: RunConfig, count_given: bool) -> None:
     """``clients.count`` follows ``fleet.devices`` when it was not given itself."""
-    from server.experiments.fleet import fleet_size
-
     if config.fleet.devices and not count_given:
         with contextlib.suppress(ValueError):  # validate() reports it, naming the key
             config.clients.count = fleet_size(config.fleet.devices, config.fleet.profiles)

@@ -38,7 +38,7 @@ from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, TrainSection, from_dict
-from server.experiments.datasets import DatasetBundle, load_dataset
+from server.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import (
     ClientLogin,

@@ -18,7 +18,7 @@ from conftest import make_config
 
 from edge_client.protocol import read_header
 from edge_client.topics import Topics
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 

@@ -14,8 +14,8 @@ from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
 from edge_client.messages import Assignment, ModelRequest, model_digest
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
 from edge_client.topics import Topics
+from server.datasets import load_dataset
 from server.distribution import Distribution, split_round
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 

@@ -11,7 +11,7 @@ from conftest import make_config, run_simulated
 from edge_client.messages import Presence
 from edge_client.protocol import encode
 from server.broker import Broker
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 
 

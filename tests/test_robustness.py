@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import Hooks
 
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.simulate import behaviours
 
 pytestmark = pytest.mark.integration

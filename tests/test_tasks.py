@@ -23,7 +23,7 @@ from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate,
 from edge_client.trainer import plan_for, train_local
 from server.broker import Broker
 from server.config import ConfigError, EvalSection
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
 from server.target import Target, eval_mode, run_target

@@ -34,9 +34,9 @@ from edge_client.trainer import prepare_process
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.config import RunConfig
+from server.datasets import DatasetBundle
 from server.deadlines import DeviceTimes
 from server.experiments.attacks import behaviour
-from server.experiments.datasets import DatasetBundle
 from server.experiments.fleet import DeviceFacts, Fleet, fleet_of, slowed
 from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver

@@ -30,15 +30,10 @@ from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.checkpoint import resumes
 from server.config import RunConfig
+from server.datasets import DatasetBundle
 from server.experiments.cgroups import CpuLimits
-from server.experiments.datasets import (
-    DatasetBundle,
-    format_histograms,
-    label_histograms,
-    partition_bundle,
-    write_shards,
-)
 from server.experiments.fleet import EMULATED_THROTTLED, Fleet, fleet_of
+from server.experiments.shards import format_histograms, label_histograms, partition_bundle, write_shards
 from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
