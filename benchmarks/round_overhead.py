@@ -514,7 +514,7 @@ def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path
             "batch_size": config.train.batch_size,
             "rounds": rounds,
             "test_images": len(bundle.test),
-            "threads_per_client": config.clients.threads,
+            "threads_per_client": config.simulation.threads,
         },
         "target": {"fraction_lt": TARGET_FRACTION, "judged_on": "median and max over rounds >= 2"},
         "wall_s": wall,

@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                 str,
                 PARTITION_HELP,
             ),
-            "--threads": ("clients__threads", int, "torch threads per client process"),
+            "--threads": ("simulation__threads", int, "torch threads per client process"),
             "--fleet": ("fleet__devices", str, FLEET_HELP),
         },
     )

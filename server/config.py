@@ -3,7 +3,7 @@
 ```toml
 [run]        rounds, target_accuracy, target, target_metric, higher_is_better, stop_at_target, seed, out, job
 [clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
-             deadline_floor_s, threads, max_samples, max_weight_share
+             deadline_floor_s, max_samples, max_weight_share
 [data]       dataset ("none": the server holds no data), partition
 [model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
@@ -13,7 +13,8 @@
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
              codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
-[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py)
+[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py): simulated
+[simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 ```
 
@@ -28,6 +29,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,10 +74,6 @@ class ClientsSection:
     deadline_factor: float = 0.0
     deadline_margin_s: float = 5.0
     deadline_floor_s: float = 10.0
-    threads: int = 1  # simulate: torch threads per client process
-    freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
-    attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
-    attack_sigma: float = 1.7320508  # DRAG: variance 3
     # a device registering with more training samples is refused: data-size weights come from the registration, so an
     # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
     max_samples: int = 10_000_000
@@ -83,6 +81,20 @@ class ClientsSection:
     # the round's selected devices) and in a combined device evaluation (relative to the devices that reported). 0.5:
     # no device outweighs all the others together, while an honest fleet's unequal shards keep their weights.
     max_weight_share: float = 0.5
+
+
+@dataclass
+class SimulationSection:
+    """Simulated clients only (edge-server simulate and bench, the benchmarks); a server of real devices ignores it."""
+
+    threads: int = 1  # torch threads per client process
+    freeloaders: float = 0.0  # fraction of clients that are TACO freeloaders (the last ids)
+    attackers: float = 0.0  # fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
+    attack_sigma: float = 1.7320508  # DRAG: variance 3
+
+
+#: ``section.key`` -> where it moved: read where it was, with a FutureWarning naming the new key, for one release
+MOVED = {f"clients.{key}": f"simulation.{key}" for key in ("threads", "freeloaders", "attackers", "attack_sigma")}
 
 
 @dataclass
@@ -166,6 +178,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
     fleet: FleetSection = field(default_factory=FleetSection)
+    simulation: SimulationSection = field(default_factory=SimulationSection)
     eval: EvalSection = field(default_factory=EvalSection)
     model: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
@@ -197,10 +210,6 @@ class RunConfig:
                 f"seconds > 0, and <= clients.round_deadline_s ({c.round_deadline_s:g}) when "
                 "clients.deadline_factor is set",
             ),
-            ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
-            ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
             ("clients.max_samples", self.clients.max_samples >= 1, "an integer >= 1"),
             ("clients.max_weight_share", 0.0 < c.max_weight_share <= 1.0, "a fraction in (0, 1] (1: no cap)"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
@@ -238,6 +247,10 @@ class RunConfig:
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
             ("eval.deadline_s", self.eval.deadline_s > 0, "seconds > 0"),
             ("eval.holdout", 0 <= self.eval.holdout < 1, "a fraction in [0, 1)"),
+            ("simulation.threads", self.simulation.threads >= 1, "an integer >= 1"),
+            ("simulation.freeloaders", 0.0 <= self.simulation.freeloaders <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attackers", 0.0 <= self.simulation.attackers <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attack_sigma", self.simulation.attack_sigma > 0, "a number > 0"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",
@@ -357,8 +370,31 @@ def _fill(section_name: str, instance: Any, values: dict[str, Any]) -> None:
         setattr(instance, key, _check_type(f"{section_name}.{key}", value, hints[key]))
 
 
+def moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of ``MOVED`` in their new sections, each move a FutureWarning that names the new key."""
+    out = {name: dict(values) if isinstance(values, dict) else values for name, values in data.items()}
+    for old, new in MOVED.items():
+        (old_section, key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or key not in section:
+            continue
+        target = out.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # from_dict refuses the section itself
+        if new_key in target:
+            raise ConfigError(f"{old} and {new} are both given; {old} is the old name of {new}: keep only {new}")
+        warnings.warn(
+            f"{old} is now {new}: move it to [{new_section}] ({old} is read until the next release)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        target[new_key] = section.pop(key)
+    return out
+
+
 def from_dict(data: dict[str, Any]) -> RunConfig:
     config = RunConfig()
+    data = moved_keys(data)
     for name, values in data.items():
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(sorted(SECTIONS))}")

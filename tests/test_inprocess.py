@@ -26,7 +26,9 @@ def test_inprocess_equals_broker_mode_after_three_rounds(broker: Broker, tmp_pat
     bundle = load_dataset("digits", seed=0)
     results = {}
     for mode in ("broker", "inprocess"):
-        config = make_config(tmp_path, f"eq-{algorithm}-{mode}", 3, 3, train={"algorithm": algorithm}, threads=1)
+        config = make_config(
+            tmp_path, f"eq-{algorithm}-{mode}", 3, 3, train={"algorithm": algorithm}, simulation={"threads": 1}
+        )
         summary, _, _ = run_simulated(mode, config, bundle, broker)
         assert summary["mode"] == mode and summary["rounds"] == 3
         results[mode] = _accuracies(Path(config.run.out))

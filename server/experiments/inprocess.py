@@ -162,7 +162,7 @@ def run_inprocess(
     """
     clients = dataclasses.replace(config.clients, round_deadline_s=NO_DEADLINE_S, deadline_factor=0.0)
     config = dataclasses.replace(config, clients=clients)
-    prepare_process(config.clients.threads)
+    prepare_process(config.simulation.threads)
     roles = behaviours(config)
     bus = LocalBus()
     ids = client_ids(config.clients.count)
@@ -180,7 +180,7 @@ def run_inprocess(
             data,
             None,
             job=config.run.job,
-            threads=config.clients.threads,
+            threads=config.simulation.threads,
             state_dir=state_dirs[cid],
             link_factory=bus.connect,
             train=slowed(train, profiles[cid], facts) if facts else train,
