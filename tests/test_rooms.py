@@ -187,6 +187,8 @@ def test_third_party_imports_inside_functions_are_documented() -> None:
         if i.deferred and i.imported not in MODULES and i.imported not in DEFERRED
     )
     assert not undocumented, f"import these at the top of the module, or say in DEFERRED why not: {undocumented}"
+    unused = set(DEFERRED) - {i.imported for i in IMPORTS if i.deferred}
+    assert not unused, f"no module defers these any more: remove them from DEFERRED: {unused}"
 
 
 @pytest.mark.parametrize(
