@@ -485,7 +485,7 @@ def cause_lines(data: dict[str, Any]) -> list[str]:
 
 def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path | None = None) -> dict[str, Any]:
     from server.config import load_config
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
 
     rounds = rounds or (2 if quick else 10)
     with contextlib.ExitStack() as stack:
@@ -518,7 +518,7 @@ def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path
             "batch_size": config.train.batch_size,
             "rounds": rounds,
             "test_images": len(bundle.test),
-            "threads_per_client": config.clients.threads,
+            "threads_per_client": config.simulation.threads,
         },
         "target": {"fraction_lt": TARGET_FRACTION, "judged_on": "median and max over rounds >= 2"},
         "wall_s": wall,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -118,8 +119,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
-    import json
-
     from edge_client.speed import DEFAULT_MODELS, benchmark, format_table
 
     models = None

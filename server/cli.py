@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
+from server import device_profiles
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
 from server.metrics_endpoint import METRICS_HELP, serve_metrics
@@ -185,7 +186,7 @@ def _print_partition(bundle: Any, scheme: str, table: str) -> None:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.simulate import client_ids, prepare_shards
 
     ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
@@ -198,7 +199,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from server.assembly import run_target_of, split_clients
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
@@ -232,13 +233,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from server.experiments import fleet
-
     if args.fleet_command == "list":
-        known = fleet.profiles(load_config(args.config).fleet.profiles)
+        known = device_profiles.profiles(load_config(args.config).fleet.profiles)
         console = Console()
         console.print(fleet_table(known))
-        console.print(f"CPU share: of one core of this machine. Reference: {fleet.REFERENCE_SOURCE}.", highlight=False)
+        console.print(
+            f"CPU share: of one core of this machine. Reference: {device_profiles.REFERENCE_SOURCE}.", highlight=False
+        )
         for name, p in sorted(known.items()):
             console.print(f"{name}: {p.source}", highlight=False)
         return 0
@@ -252,14 +253,14 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     print(f"measuring this machine: {args.model}, FedAvg, 100 steps of batch 64 on one thread, {args.repeats} times")
     [result] = benchmark({args.model: DEFAULT_MODELS[args.model]}, ["fedavg"], repeats=args.repeats, inference=False)
     host = result["cpu_s_per_100"]
-    profile = fleet.calibrated(args.name, args.seconds_per_100_steps, host, links)
+    profile = device_profiles.calibrated(args.name, args.seconds_per_100_steps, host, links)
     print(
         f"this machine: {host:.3f} CPU s per 100 steps (wall {result['s_per_100']:.3f} s); a device that needs "
         f"{args.seconds_per_100_steps:g} s is {profile.cpu_share:g} of one core here"
         + (" (capped at 1: it is faster than one core here)" if host > args.seconds_per_100_steps else "")
         + ". Add to your configuration:\n"
     )
-    print(fleet.profile_toml(profile))
+    print(device_profiles.profile_toml(profile))
     return 0
 
 
@@ -267,14 +268,13 @@ def fleet_table(profiles: dict[str, Any]) -> Any:
     """``edge-server fleet list``: every profile with where its numbers come from."""
     from rich.table import Table
 
-    from server.experiments.fleet import REFERENCE_MODEL, REFERENCE_S_PER_100
-
+    ref_model, ref_s = device_profiles.REFERENCE_MODEL, device_profiles.REFERENCE_S_PER_100
     table = Table(title="device profiles (sources below)")
-    for col in ("class", "CPU share", f"s / 100 steps of {REFERENCE_MODEL}", "uplink Mbit/s", "downlink Mbit/s"):
+    for col in ("class", "CPU share", f"s / 100 steps of {ref_model}", "uplink Mbit/s", "downlink Mbit/s"):
         table.add_column(col, justify="left" if col == "class" else "right")
     for name, p in sorted(profiles.items()):
         table.add_row(
-            name, f"{p.cpu_share:.4g}", f"{REFERENCE_S_PER_100 / p.cpu_share:.3g}", f"{p.uplink_mbps:g}",
+            name, f"{p.cpu_share:.4g}", f"{ref_s / p.cpu_share:.3g}", f"{p.uplink_mbps:g}",
             f"{p.downlink_mbps:g}",
         )  # fmt: skip
     return table
@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                 str,
                 PARTITION_HELP,
             ),
-            "--threads": ("clients__threads", int, "torch threads per client process"),
+            "--threads": ("simulation__threads", int, "torch threads per client process"),
             "--fleet": ("fleet__devices", str, FLEET_HELP),
         },
     )

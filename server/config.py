@@ -3,7 +3,7 @@
 ```toml
 [run]        rounds, target_accuracy, target, target_metric, higher_is_better, stop_at_target, seed, out, job
 [clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
-             deadline_floor_s, threads, max_samples, max_weight_share
+             deadline_floor_s, max_samples, max_weight_share
 [data]       dataset ("none": the server holds no data), partition
 [model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
@@ -13,7 +13,8 @@
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
              codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
-[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
+[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py): simulated
+[simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 [privacy]    mode = off | central | local, clip_norm, noise_multiplier, target_epsilon, delta, adaptive_clipping,
              target_quantile, clip_learning_rate, secure_aggregation (docs/privacy.md; checked by server/dp/settings.py)
@@ -30,6 +31,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,8 @@ from typing import Any
 import tomllib
 
 from edge_client import codecs
-from edge_client.algorithms import contract_of
+from edge_client.algorithms import CONTRACTS, contract_of
+from server.device_profiles import fleet_size, profiles
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -73,10 +76,6 @@ class ClientsSection:
     deadline_factor: float = 0.0
     deadline_margin_s: float = 5.0
     deadline_floor_s: float = 10.0
-    threads: int = 1  # simulate: torch threads per client process
-    freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
-    attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
-    attack_sigma: float = 1.7320508  # DRAG: variance 3
     # a device registering with more training samples is refused: data-size weights come from the registration, so an
     # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
     max_samples: int = 10_000_000
@@ -84,6 +83,20 @@ class ClientsSection:
     # the round's selected devices) and in a combined device evaluation (relative to the devices that reported). 0.5:
     # no device outweighs all the others together, while an honest fleet's unequal shards keep their weights.
     max_weight_share: float = 0.5
+
+
+@dataclass
+class SimulationSection:
+    """Simulated clients only (edge-server simulate and bench, the benchmarks); a server of real devices ignores it."""
+
+    threads: int = 1  # torch threads per client process
+    freeloaders: float = 0.0  # fraction of clients that are TACO freeloaders (the last ids)
+    attackers: float = 0.0  # fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
+    attack_sigma: float = 1.7320508  # DRAG: variance 3
+
+
+#: ``section.key`` -> where it moved: read where it was, with a FutureWarning naming the new key, for one release
+MOVED = {f"clients.{key}": f"simulation.{key}" for key in ("threads", "freeloaders", "attackers", "attack_sigma")}
 
 
 @dataclass
@@ -140,7 +153,7 @@ class TrainSection:
 
 @dataclass
 class FleetSection:
-    """A simulated fleet of device classes (server/experiments/fleet.py); empty: every client is this machine."""
+    """A simulated fleet of device classes (server/device_profiles.py); empty: every client is this machine."""
 
     devices: str = ""  # "pi5:2,pi4:5,pi3:3": classes in client order (clients.count follows when not given)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [fleet.profiles.NAME]: add or replace
@@ -182,6 +195,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
     fleet: FleetSection = field(default_factory=FleetSection)
+    simulation: SimulationSection = field(default_factory=SimulationSection)
     eval: EvalSection = field(default_factory=EvalSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     model: dict[str, Any] = field(default_factory=dict)
@@ -214,10 +228,6 @@ class RunConfig:
                 f"seconds > 0, and <= clients.round_deadline_s ({c.round_deadline_s:g}) when "
                 "clients.deadline_factor is set",
             ),
-            ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
-            ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
             ("clients.max_samples", self.clients.max_samples >= 1, "an integer >= 1"),
             ("clients.max_weight_share", 0.0 < c.max_weight_share <= 1.0, "a fraction in (0, 1] (1: no cap)"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
@@ -255,6 +265,10 @@ class RunConfig:
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
             ("eval.deadline_s", self.eval.deadline_s > 0, "seconds > 0"),
             ("eval.holdout", 0 <= self.eval.holdout < 1, "a fraction in [0, 1)"),
+            ("simulation.threads", self.simulation.threads >= 1, "an integer >= 1"),
+            ("simulation.freeloaders", 0.0 <= self.simulation.freeloaders <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attackers", 0.0 <= self.simulation.attackers <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attack_sigma", self.simulation.attack_sigma > 0, "a number > 0"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",
@@ -303,15 +317,26 @@ class RunConfig:
             )
 
     def _validate_steps_policy(self) -> None:
-        from server.steps_policy import refusal
-
-        why = refusal(self.train)
-        if why:
-            raise ConfigError(why)
+        """The deadline policy (server/steps_policy.py) needs a budget, and an algorithm whose contract tolerates
+        unequal steps."""
+        train = self.train
+        if train.steps_policy != "deadline":
+            return
+        if train.round_budget_s <= 0:
+            raise ConfigError(
+                "train.round_budget_s must be seconds > 0 with train.steps_policy = 'deadline' (the round time to fit)"
+            )
+        if contract_of(train.algorithm).unequal_steps:  # an unknown algorithm was refused on its own key before
+            return
+        tolerant = ", ".join(sorted(name for name, c in CONTRACTS.items() if c.unequal_steps))
+        raise ConfigError(
+            f"train.steps_policy = 'deadline' gives clients different local step counts, which {train.algorithm} "
+            "cannot aggregate: it averages raw updates, so the model would drift towards the objective of the clients "
+            "that ran more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose "
+            f"aggregation normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
+        )
 
     def _validate_fleet(self) -> None:
-        from server.experiments.fleet import fleet_size, profiles
-
         try:
             profiles(self.fleet.profiles)
             if self.fleet.devices:
@@ -366,8 +391,31 @@ def _fill(section_name: str, instance: Any, values: dict[str, Any]) -> None:
         setattr(instance, key, _check_type(f"{section_name}.{key}", value, hints[key]))
 
 
+def moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of ``MOVED`` in their new sections, each move a FutureWarning that names the new key."""
+    out = {name: dict(values) if isinstance(values, dict) else values for name, values in data.items()}
+    for old, new in MOVED.items():
+        (old_section, key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or key not in section:
+            continue
+        target = out.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # from_dict refuses the section itself
+        if new_key in target:
+            raise ConfigError(f"{old} and {new} are both given; {old} is the old name of {new}: keep only {new}")
+        warnings.warn(
+            f"{old} is now {new}: move it to [{new_section}] ({old} is read until the next release)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        target[new_key] = section.pop(key)
+    return out
+
+
 def from_dict(data: dict[str, Any]) -> RunConfig:
     config = RunConfig()
+    data = moved_keys(data)
     for name, values in data.items():
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(sorted(SECTIONS))}")
@@ -395,8 +443,6 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
 def follow_fleet(config: RunConfig, count_given: bool) -> None:
     """``clients.count`` follows ``fleet.devices`` when it was not given itself."""
-    from server.experiments.fleet import fleet_size
-
     if config.fleet.devices and not count_given:
         with contextlib.suppress(ValueError):  # validate() reports it, naming the key
             config.clients.count = fleet_size(config.fleet.devices, config.fleet.profiles)

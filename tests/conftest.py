@@ -39,7 +39,7 @@ from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, TrainSection, from_dict
-from server.experiments.datasets import DatasetBundle, load_dataset
+from server.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import (
     ClientLogin,
@@ -281,6 +281,7 @@ def make_config(
     dataset: str = "digits",
     model: dict[str, Any] | None = None,
     privacy: dict[str, Any] | None = None,
+    simulation: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
@@ -290,6 +291,7 @@ def make_config(
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             # register_timeout_s is a ceiling: a loaded machine takes over a minute to start 20 client processes
             "clients": {"count": clients, "register_timeout_s": 180.0, **clients_section},
+            "simulation": simulation or {},
             "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
@@ -329,9 +331,9 @@ def start_federation(
 ) -> tuple[Orchestrator, dict[str, subprocess.Popen]]:
     """Start client processes client-00.. (each on the broker ``client_broker`` names) and build the server on ``link``.
 
-    ``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section; ``dataset``: a
-    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the clients exit when the run
-    ends (else they wait for the next run, as devices do).
+    ``settings``: ``train={...}``, ``algorithm_params={...}``, ``simulation={...}`` and keys of the [clients]
+    section; ``dataset``: a built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the
+    clients exit when the run ends (else they wait for the next run, as devices do).
     """
     config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
     config.broker.max_packet_size = link.max_packet_size or 0

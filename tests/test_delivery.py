@@ -19,7 +19,7 @@ from test_faults import poll, reported, restart_client
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.simulate import client_ids, stop_clients
 from server.orchestrator import Orchestrator
 

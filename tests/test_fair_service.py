@@ -30,7 +30,7 @@ from edge_client.topics import Topics
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.broker import Broker, BrokerSettings
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 from server.orchestrator import Orchestrator
 from server.rate_limits import LIMITS, RESENDS_PER_ROUND, Limit, RateLimited, RateLimits

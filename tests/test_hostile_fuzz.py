@@ -71,7 +71,7 @@ from edge_client.protocol import encode
 from edge_client.transport import LinkConfig
 from server.broker import Broker
 from server.config import from_dict
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.orchestrator import Orchestrator
 
 pytestmark = pytest.mark.integration

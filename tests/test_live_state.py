@@ -10,8 +10,8 @@ import numpy as np
 from edge_client.messages import Hello, Presence, Update
 from edge_client.transport import LinkConfig
 from server.config import from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.live_state import LIVE_FILE, LiveState
 from server.orchestrator import Orchestrator
 

@@ -32,8 +32,8 @@ from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState
 from server.broker import Broker
 from server.config import RunConfig, from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.orchestrator import Orchestrator
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
