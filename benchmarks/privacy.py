@@ -31,7 +31,7 @@ TARGET_EPSILON = 8.0
 def run_one(args: argparse.Namespace, partition: str, epsilon: float | None, adaptive: bool, out: Path) -> dict:
     """One in-process run; its figures (``epsilon`` None: without DP)."""
     from server.config import from_dict
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import client_ids, prepare_shards
 

@@ -41,6 +41,7 @@ import tomllib
 from edge_client import codecs
 from edge_client.algorithms import CONTRACTS, contract_of
 from server.device_profiles import fleet_size, profiles
+from server.dp.settings import PrivacySection, privacy_refusal
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -173,21 +174,6 @@ class BrokerSection:
 
 
 @dataclass
-class PrivacySection:
-    """Differential privacy (docs/privacy.md); other privacy features add their keys here."""
-
-    mode: str = "off"  # "central": the server noises the sum; "local": each device noises its own update
-    clip_norm: float = 0.0  # C: the L2 norm each device clips its update to (all its uploaded arrays together)
-    noise_multiplier: float = 0.0  # z: noise std z * C; 0: derived from target_epsilon before the run starts
-    target_epsilon: float = 0.0  # the budget: the run stops before a round would spend more (0: no budget)
-    delta: float = 0.0  # 0: 1 / clients.count^1.1
-    adaptive_clipping: bool = False  # C follows the target_quantile of update norms (Andrew et al. 2021)
-    target_quantile: float = 0.5
-    clip_learning_rate: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
-    secure_aggregation: bool = False  # the devices add the noise in shares, the server only sees the masked sum
-
-
-@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
@@ -299,9 +285,11 @@ class RunConfig:
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
         self._validate_fleet()
-        from server.dp.settings import check_privacy
-
-        check_privacy(self)
+        refusal = privacy_refusal(
+            self.privacy, self.clients.count, self.train.algorithm, self.algorithm_params(), self.train.steps_policy
+        )
+        if refusal is not None:
+            raise ConfigError(refusal)
         return self
 
     def _validate_finite(self) -> None:

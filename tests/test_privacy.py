@@ -17,11 +17,11 @@ from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import ContractError, vector_norm
 from edge_client.dp import privatize
 from server.config import ConfigError
+from server.datasets import load_dataset
 from server.dp import accountant
 from server.dp.budget import Budget, budget_of
 from server.dp.mechanism import PrivateStrategy, adapted_clip_norm
 from server.dp.settings import dp_markdown
-from server.experiments.datasets import load_dataset
 from server.strategies import TrainSettings, make_strategy
 
 SIZE = 2000

@@ -45,6 +45,7 @@ DEFERRED = {
     "zarr": "optional (server extra): only the mnist data set needs it; without it, DatasetNotInstalled says what "
     "to install",
     "sklearn": "optional (server extra): only the digits data set needs it",
+    "dp_accounting": "imported when a run uses DP: the library takes seconds to import, which every run would pay",
 }
 
 #: circles (their modules) that a change in progress removes; the test fails once one is gone, to drop it here.

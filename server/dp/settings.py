@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from edge_client.algorithms import CONTRACTS, contract_of
 
-if TYPE_CHECKING:
-    from server.config import RunConfig
-
 MODES = ("off", "central", "local")
+
+
+@dataclass
+class PrivacySection:
+    """Differential privacy (docs/privacy.md); other privacy features add their keys here."""
+
+    mode: str = "off"  # "central": the server noises the sum; "local": each device noises its own update
+    clip_norm: float = 0.0  # C: the L2 norm each device clips its update to (all its uploaded arrays together)
+    noise_multiplier: float = 0.0  # z: noise std z * C; 0: derived from target_epsilon before the run starts
+    target_epsilon: float = 0.0  # the budget: the run stops before a round would spend more (0: no budget)
+    delta: float = 0.0  # 0: 1 / clients.count^1.1
+    adaptive_clipping: bool = False  # C follows the target_quantile of update norms (Andrew et al. 2021)
+    target_quantile: float = 0.5
+    clip_learning_rate: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
+    secure_aggregation: bool = False  # the devices add the noise in shares, the server only sees the masked sum
 
 
 def default_delta(devices: int) -> float:
@@ -22,16 +35,14 @@ def dp_algorithms() -> list[str]:
     return [name for name, c in CONTRACTS.items() if not c.dp_refusal]
 
 
-def check_privacy(config: RunConfig) -> None:
-    """Raise ConfigError for a ``[privacy]`` combination that makes no sense, or an algorithm that refuses DP."""
-    from server.config import ConfigError
-
-    p, n = config.privacy, config.clients.count
+def privacy_refusal(p: PrivacySection, n: int, name: str, params: dict[str, Any], steps_policy: str) -> str | None:
+    """Why ``[privacy]`` is refused (a combination that makes no sense, or an algorithm that refuses DP), naming the
+    key and the fix; None when it is accepted. ``RunConfig.validate`` raises it as a ConfigError."""
     if p.mode == "off":
         given = [k for k in ("clip_norm", "noise_multiplier", "target_epsilon", "delta") if getattr(p, k)]
         if given or p.adaptive_clipping:
             key = given[0] if given else "adaptive_clipping"
-            raise ConfigError(f"privacy.{key} is set but privacy.mode = 'off'; set privacy.mode = 'central' or 'local'")
+            return f"privacy.{key} is set but privacy.mode = 'off'; set privacy.mode = 'central' or 'local'"
         return
     checks = [
         ("privacy.mode", p.mode in MODES, "'off', 'central' or 'local'"),
@@ -54,26 +65,26 @@ def check_privacy(config: RunConfig) -> None:
     ]
     for key, ok, expected in checks:
         if not ok:
-            raise ConfigError(f"{key} must be {expected}; got {getattr(p, key.split('.')[1])!r}")
-    name = config.train.algorithm
+            return f"{key} must be {expected}; got {getattr(p, key.split('.')[1])!r}"
     contract = contract_of(name)
     if contract.dp_refusal:
-        raise ConfigError(
+        return (
             f"train.algorithm = {name!r} refuses privacy.mode = {p.mode!r}: {contract.dp_refusal}; "
             f"choose one of {dp_algorithms()} or set privacy.mode = 'off'"
         )
-    resolved = contract.resolve(config.algorithm_params())
+    resolved = contract.resolve(params)
     for key, value in contract.dp_requires:
         if resolved[key] != value:
-            raise ConfigError(
+            return (
                 f"[algorithm.{name}] {key} = {resolved[key]!r} is refused with [privacy]: it makes one device's weight "
                 f"or steps depend on its data; set {key} = {value!r}"
             )
-    if contract.unequal_steps and config.train.steps_policy != "fixed":
-        raise ConfigError(
-            f"train.steps_policy = {config.train.steps_policy!r} is refused for {name} with [privacy]: the server's "
+    if contract.unequal_steps and steps_policy != "fixed":
+        return (
+            f"train.steps_policy = {steps_policy!r} is refused for {name} with [privacy]: the server's "
             "scale (the mean steps of the devices that reported) would depend on who reported; set 'fixed'"
         )
+    return None
 
 
 def dp_markdown() -> str:
