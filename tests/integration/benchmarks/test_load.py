@@ -1,0 +1,111 @@
+"""The load benchmark (issues 7 and 16): its quick mode end to end at three sizes, that its aggregate check catches
+a lost or doubled update (else "exact" would prove nothing), and that the server does not hold a burst of uploads in
+memory (what made its peak grow with the fleet)."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from edgefl_testkit.algorithms import make_update
+from edgefl_testkit.basics import spill_files
+from edgefl_testkit.benchmarks import run_benchmark_quick
+from edgefl_testkit.mqtt import require_mosquitto
+
+from benchmarks import load
+from edge_client import chunking
+from edge_client.messages import Update
+from edge_client.protocol import encode
+from edge_client.topics import Topics
+from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
+from server.admission import RoundState
+from server.config import from_dict
+from server.datasets import load_dataset
+from server.evaluation import Evaluator
+from server.orchestrator import Orchestrator
+
+
+@pytest.mark.integration
+def test_quick_load_nothing_lost_or_doubled_one_model_per_round(tmp_path: Path) -> None:
+    require_mosquitto()
+    data, md = run_benchmark_quick("load", tmp_path)
+    cfg = data["config"]
+    assert (cfg["sizes"], cfg["rounds"]) == ([5, 10, 20], 3)
+    assert (
+        data["fd_limit"]["soft"] >= data["fd_limit"]["needed"] or data["fd_limit"]["soft"] == data["fd_limit"]["hard"]
+    )
+    for run in data["runs"]:
+        n, model = run["clients"], run["model_message_bytes"]
+        assert len(run["per_round"]) == 3
+        for r in run["per_round"]:
+            assert r["clients_reported"] == r["clients_selected"] == n, r
+            assert r["missing"] == [] and "duplicate" not in r["rejected"], r
+            assert r["aggregate_exact"], r
+            assert r["bytes_up"] >= n * cfg["update_bytes"]  # every update crossed the broker whole
+            # the model went out once, whatever the number of clients; the rest are small assignments
+            assert model <= r["bytes_out"] <= model * 1.01 + 2048 * n, r
+        assert run["updates_sent"] == 3 * n and run["client_errors"] == []
+        assert run["models_received"] == 3 * n and run["model_requests"] == 0  # every device got every broadcast
+        assert not run["broker_dropped_messages"]
+    assert all(data["checks"].values()), data["checks"]
+    assert "| server egress per round |" in md and "MISS" not in md
+
+
+class _NoSampler:
+    def take(self) -> dict[str, float]:
+        return {"server": 0.0, "broker": 0.0}
+
+
+@pytest.mark.parametrize(("counted", "exact"), [(range(5), True), (range(4), False), ([0, 1, 2, 3, 4, 4], False)])
+def test_checker_detects_a_lost_or_doubled_update(tmp_path: Path, counted: list[int], exact: bool) -> None:
+    clients, size = 5, 1000
+    w0 = np.random.default_rng(0).normal(0, 0.05, size).astype(np.float32)
+    checker = load.Checker(tmp_path, w0, clients, _NoSampler())  # type: ignore[arg-type]
+    base = load.base_vector(size)
+    deltas = [load.delta_for(base, i, clients, 1) for i in counted]
+    np.savez(tmp_path / "checkpoint.npz", weights=w0 - np.mean(deltas, axis=0, dtype=np.float32))
+    row = {"round": 1, "round_s": 0.0, "aggregate_s": 0.0, "eval_s": 0.0, "clients_selected": clients}
+    row |= {
+        "clients_reported": clients,
+        "missing": [],
+        "rejected": {},
+        "clients": {},
+        "instructions": {},
+        "bytes_out": 0,
+    }
+    checker.round_done(row)
+    assert checker.rounds[0]["aggregate_exact"] is exact
+
+
+def test_a_burst_of_uploads_waits_in_the_run_directory_not_in_the_servers_memory(tmp_path: Path) -> None:
+    """Issue 16: 200 devices' updates of 100k parameters (76 MiB in 128 KiB chunks) reach the server's link faster
+    than its round loop takes them. The link holds at most ``MEMORY_QUEUE_BYTES`` of them in memory (before the spool
+    it held all of them: 0.38 MiB per device), the rest wait in a file in the run directory, and every update comes
+    back intact and in order; the file is emptied once they are taken."""
+    digits = load_dataset("digits", seed=0)
+    config = from_dict({"run": {"out": str(tmp_path)}, "data": {"dataset": "digits"}})
+    spec = load.model_spec(100_000)  # the benchmark's model: digits-sized inputs
+    orch = Orchestrator(config, LinkConfig("mqtt://127.0.0.1:1"), Evaluator(spec, digits.test), spec, tmp_path)
+    link, topics, devices, size = orch.link, Topics(config.run.job), 200, orch.num_params  # link: not connected
+    orch.current = RoundState(1, 0, {f"d{i}" for i in range(devices)})  # each may send one update of the round
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(devices):  # as paho's network thread hands each frame over
+            update = make_update(f"d{i}", np.full(size, i, dtype=np.float32))
+            for frame in chunking.split(encode(update), 128 << 10):
+                link._offer(topics.up(f"d{i}"), bytes(frame))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= MEMORY_QUEUE_BYTES + (1 << 20), held  # the queue's bookkeeping is a few hundred bytes per frame
+    assert sum(spill_files(tmp_path).values()) >= devices * 4 * size - MEMORY_QUEUE_BYTES
+    for i in range(devices):
+        received = link.receive(timeout=0)
+        assert received is not None and received[0] == topics.up(f"d{i}")
+        assert isinstance(received[1], Update) and received[1].client_id == f"d{i}"
+        np.testing.assert_array_equal(received[1].delta, np.full(size, i, dtype=np.float32))
+    assert link.receive(timeout=0) is None and link.rejections == {}
+    assert list(spill_files(tmp_path).values()) == [0]
