@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import make_update, train_assignment
-from torch import nn
+from edgefl_testkit.algorithms import assignment, make_update, reference_sgd, toy_data, toy_model, train_assignment
 
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient
@@ -21,7 +20,7 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
 from edge_client.models import build_model, get_flat, set_flat
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.drag import Drag
@@ -225,25 +224,13 @@ def test_state_dict_round_trip_through_json() -> None:
 def test_client_half_is_plain_sgd(cls: type[FedAvgClient]) -> None:
     assert issubclass(cls, FedAvgClient)
     assert cls.contract.name == {"DragClient": "drag", "DragBRClient": "drag-br"}[cls.__name__]
-    torch.manual_seed(0)
-    flat = FlatModel(nn.Linear(3, 2))
+    flat = FlatModel(toy_model())
     w0 = flat.numpy()
-    rng = np.random.default_rng(0)
-    data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
-    a = Assignment(local_steps=4, lr=0.2, batch_size=4, weights=w0, round=1, algorithm=cls.contract.name)
+    data = toy_data(10, seed=0)
+    a = assignment(w0, 4, 0.2, round=1, algorithm=cls.contract.name)
     res = train_assignment(flat, data, BatchSampler(10, 4, 5, "c0"), a, cls())
-
-    manual = nn.Linear(3, 2)
-    set_flat(manual, w0)
-    sampler = BatchSampler(10, 4, 5, "c0")
-    for _ in range(4):
-        idx = sampler.next()
-        manual.zero_grad()
-        F.cross_entropy(manual(torch.from_numpy(data.x[idx])), torch.from_numpy(data.y[idx])).backward()
-        with torch.no_grad():
-            for p in manual.parameters():
-                p -= 0.2 * p.grad
-    np.testing.assert_allclose(res.delta, w0 - get_flat(manual), atol=1e-6)
+    manual = reference_sgd(w0, data, BatchSampler(10, 4, 5, "c0"), 4, 0.2)
+    np.testing.assert_allclose(res.delta, w0 - manual, atol=1e-6)
     assert res.extras == {} and res.arrays == {}
 
 

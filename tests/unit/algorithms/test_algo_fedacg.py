@@ -6,65 +6,49 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import train_assignment
-from torch import nn
+from edgefl_testkit.algorithms import (
+    assignment,
+    flat_of,
+    make_update,
+    reference_sgd,
+    set_up,
+    toy_data,
+    toy_model,
+    train_toy,
+)
 
 from edge_client.algorithms.fedacg import FedACGClient
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from server.strategies.base import ServerContext, TrainSettings
+from edge_client.messages import Update
+from server.strategies.base import TrainSettings
 from server.strategies.fedacg import FedACG
 
 LR, BATCH, K, D = 0.2, 4, 5, 8
 
 
-def tiny_model(seed: int = 0) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(3, 2)
-
-
-def flat_of(module: nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()]).astype(np.float32)
-
-
-def dataset(n: int = 10) -> ArrayDataset:
-    rng = np.random.default_rng(11)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
+def dataset() -> ArrayDataset:
+    return toy_data(10, seed=11)
 
 
 def run_client(client, weights: np.ndarray, steps: int, params: dict, arrays: dict | None = None):
-    data = dataset()
-    a = Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, arrays=arrays or {}, weights=weights)
-    return train_assignment(FlatModel(tiny_model(seed=99)), data, BatchSampler(len(data), BATCH, 0, "c0"), a, client)
+    return train_toy(client, assignment(weights, steps, LR, BATCH, settings=params, arrays=arrays or {}), dataset())
 
 
 def autograd_prox_sgd(start: np.ndarray, centre: np.ndarray, steps: int, beta: float) -> np.ndarray:
-    """SGD from ``start`` on CE + beta/2 ||w - centre||^2, differentiated by autograd."""
-    w = torch.from_numpy(start.copy())
+    """SGD from ``start`` on CE + beta/2 ||w - centre||^2: autograd's CE gradient plus the prox term's beta (w - c)."""
     c = torch.from_numpy(centre.copy())
     data = dataset()
-    sampler = BatchSampler(len(data), BATCH, 0, "c0")
-    for _ in range(steps):
-        idx = sampler.next()
-        v = w.clone().requires_grad_(True)
-        logits = torch.from_numpy(data.x[idx]) @ v[:6].view(2, 3).T + v[6:]
-        loss = nn.functional.cross_entropy(logits, torch.from_numpy(data.y[idx])) + beta / 2 * ((v - c) ** 2).sum()
-        (g,) = torch.autograd.grad(loss, [v])
-        w = (w - LR * g).detach()
-    return w.numpy()
+    return reference_sgd(start, data, BatchSampler(len(data), BATCH, 0, "c0"), steps, LR, lambda w: beta * (w - c))
 
 
 def make_server(params: dict | None = None, clients: dict | None = None) -> FedACG:
-    server = FedACG(TrainSettings(local_steps=K, lr=LR, batch_size=BATCH), params)
-    server.setup(ServerContext(model_spec={}, num_params=D, clients=clients or {"a": 1, "b": 3}))
-    return server
+    return set_up(FedACG(TrainSettings(local_steps=K, lr=LR, batch_size=BATCH), params), D, clients or {"a": 1, "b": 3})
 
 
 def update(cid: str, samples: int, delta: np.ndarray) -> Update:
-    return Update(1, 0, cid, samples, K, 0.0, 0.0, 0.0, np.asarray(delta, dtype=np.float32))
+    return make_update(cid, delta, num_samples=samples, local_steps=K)
 
 
 def test_defaults() -> None:
@@ -141,14 +125,14 @@ def test_taco_literal_mode(include_k: bool) -> None:
 
 @pytest.mark.parametrize("beta", [0.001, 0.5])
 def test_client_prox_around_the_received_lookahead(beta: float) -> None:
-    lookahead = flat_of(tiny_model(seed=2))
+    lookahead = flat_of(toy_model(seed=2))
     result = run_client(FedACGClient(), lookahead, 6, {"beta": beta})
     np.testing.assert_allclose(lookahead - result.delta, autograd_prox_sgd(lookahead, lookahead, 6, beta), atol=1e-5)
     assert FedACGClient().state_dict() == {}
 
 
 def test_client_with_an_explicit_centre() -> None:
-    start, centre = flat_of(tiny_model(seed=2)), flat_of(tiny_model(seed=3))
+    start, centre = flat_of(toy_model(seed=2)), flat_of(toy_model(seed=3))
     result = run_client(FedACGClient(), start, 6, {"beta": 0.8}, {"centre": centre})
     np.testing.assert_allclose(start - result.delta, autograd_prox_sgd(start, centre, 6, 0.8), atol=1e-5)
     # a prox around the start would give another model: the centre was really used
@@ -158,7 +142,7 @@ def test_client_with_an_explicit_centre() -> None:
 
 
 def test_round_one_is_fedprox_with_zeta_beta() -> None:
-    start = flat_of(tiny_model(seed=4))
+    start = flat_of(toy_model(seed=4))
     server = make_server({"beta": 0.3})
     told = server.assign(1, "a")
     acg = run_client(FedACGClient(), start if told.weights is None else told.weights, K, told.settings)
@@ -168,7 +152,7 @@ def test_round_one_is_fedprox_with_zeta_beta() -> None:
 
 def test_end_to_end_two_rounds_clients_start_from_the_lookahead() -> None:
     server = make_server({"beta": 0.1})
-    w = flat_of(tiny_model(seed=5))
+    w = flat_of(toy_model(seed=5))
     ref_w, ref_m = w.astype(np.float64), np.zeros(D)
     for round_ in (1, 2):
         told = server.assign(round_, "a")

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, make_update, train_assignment
+from edgefl_testkit.algorithms import admit, assignment, make_update, toy_data, toy_model, train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fednova import FedNovaClient
 from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.data import BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
 from edge_client.models import set_flat
 from server.admission import WrongSteps
 from server.strategies.base import ServerContext, TrainSettings
@@ -139,13 +139,11 @@ def test_client_delta_over_lr_tau_is_mean_local_gradient() -> None:
     """The client half is FedAvg under the name fednova; for plain SGD delta/(lr tau) = (1/tau) sum of gradients
     (2.10 (a)), recomputed here with autograd on a separate model."""
     assert issubclass(FedNovaClient, FedAvgClient) and FedNovaClient.contract.name == "fednova"
-    torch.manual_seed(0)
-    flat = FlatModel(nn.Linear(3, 2))
+    flat = FlatModel(toy_model())
     w0 = flat.numpy()
-    rng = np.random.default_rng(0)
-    data = ArrayDataset(rng.normal(size=(14, 3)).astype(np.float32), rng.integers(0, 2, size=14))
+    data = toy_data(14, seed=0)
     tau, lr = 6, 0.1
-    a = Assignment(local_steps=tau, lr=lr, batch_size=4, weights=w0, round=1, algorithm="fednova")
+    a = assignment(w0, tau, lr, round=1, algorithm="fednova")
     res = train_assignment(flat, data, BatchSampler(14, 4, 3, "c1"), a, FedNovaClient())
     assert res.local_steps == tau and res.extras == {} and res.arrays == {}
 

@@ -6,77 +6,46 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import train_assignment
-from torch import nn
+from edgefl_testkit.algorithms import (
+    assignment,
+    flat_of,
+    make_update,
+    reference_sgd,
+    set_up,
+    toy_data,
+    toy_model,
+    train_toy,
+)
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from server.strategies.base import ServerContext, TrainSettings
+from edge_client.messages import Update
+from server.strategies.base import TrainSettings
 from server.strategies.fedprox import FedProx
 
 LR, BATCH = 0.2, 4
 
 
-def tiny_model(seed: int = 0) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(3, 2)
-
-
-def flat_of(module: nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()]).astype(np.float32)
-
-
-def dataset(n: int = 10) -> ArrayDataset:
-    rng = np.random.default_rng(7)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
-
-
-def assignment(weights: np.ndarray, steps: int, params: dict) -> Assignment:
-    return Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, weights=weights, round=1)
+def dataset() -> ArrayDataset:
+    return toy_data(10, seed=7)
 
 
 def run_client(client, start: np.ndarray, steps: int, params: dict, cid: str = "c0"):
-    data = dataset()
-    return train_assignment(
-        FlatModel(tiny_model(seed=99)),
-        data,
-        BatchSampler(len(data), BATCH, 0, cid),
-        assignment(start, steps, params),
-        client,
-    )
+    return train_toy(client, assignment(start, steps, LR, BATCH, settings=params, round=1), dataset(), cid)
 
 
 def autograd_prox_sgd(start: np.ndarray, steps: int, zeta: float, cid: str = "c0") -> np.ndarray:
-    """K SGD steps on CE + zeta/2 ||w - w_t||^2, the penalty differentiated by autograd (the spec's loss)."""
-    model = tiny_model(seed=5)
-    offset = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(start[offset : offset + p.numel()]).view_as(p))
-            offset += p.numel()
-    centre = [p.detach().clone() for p in model.parameters()]
+    """K SGD steps on CE + zeta/2 ||w - w_t||^2: autograd's CE gradient plus the penalty's zeta (w - w_t)."""
+    centre = torch.from_numpy(start.copy())
     data = dataset()
-    sampler = BatchSampler(len(data), BATCH, 0, cid)
-    for _ in range(steps):
-        idx = sampler.next()
-        xb, yb = torch.from_numpy(data.x[idx]), torch.from_numpy(data.y[idx])
-        loss = nn.functional.cross_entropy(model(xb), yb)
-        loss = loss + zeta / 2 * sum(((p - c) ** 2).sum() for p, c in zip(model.parameters(), centre, strict=True))
-        model.zero_grad()
-        loss.backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= LR * p.grad
-    return flat_of(model)
+    return reference_sgd(start, data, BatchSampler(len(data), BATCH, 0, cid), steps, LR, lambda w: zeta * (w - centre))
 
 
 @pytest.mark.parametrize("zeta", [0.1, 1.0, 3.0])
 def test_analytic_correction_equals_autograd_of_prox_loss(zeta: float) -> None:
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     result = run_client(FedProxClient(), start, steps=8, params={"zeta": zeta})
     expected_end = autograd_prox_sgd(start, 8, zeta)
     np.testing.assert_allclose(start - result.delta, expected_end, rtol=0, atol=1e-5)
@@ -87,7 +56,7 @@ def test_analytic_correction_equals_autograd_of_prox_loss(zeta: float) -> None:
 
 def test_zeta_is_read_every_round_and_zero_is_fedavg() -> None:
     client = FedProxClient()
-    start = flat_of(tiny_model(seed=2))
+    start = flat_of(toy_model(seed=2))
     first = run_client(client, start, steps=5, params={"zeta": 2.0})
     np.testing.assert_allclose(start - first.delta, autograd_prox_sgd(start, 5, 2.0), atol=1e-5)
     second = run_client(client, start, steps=5, params={"zeta": 0.0})
@@ -99,23 +68,21 @@ def test_zeta_is_read_every_round_and_zero_is_fedavg() -> None:
 
 def test_client_keeps_no_state_and_needs_zeta() -> None:
     client = FedProxClient()
-    run_client(client, flat_of(tiny_model()), steps=2, params={"zeta": 0.1})
+    run_client(client, flat_of(toy_model()), steps=2, params={"zeta": 0.1})
     assert client.state_dict() == {}
     assert client._scaled_centre is None  # the round's copy of zeta * w_t is dropped
     with pytest.raises(ContractError, match=r"fedprox.zeta: missing from the assignment"):
-        run_client(FedProxClient(), flat_of(tiny_model()), steps=2, params={})
+        run_client(FedProxClient(), flat_of(toy_model()), steps=2, params={})
     with pytest.raises(ContractError, match=r"fedprox.zeta = -1.0: expected a number >= 0"):
-        run_client(FedProxClient(), flat_of(tiny_model()), steps=2, params={"zeta": -1.0})
+        run_client(FedProxClient(), flat_of(toy_model()), steps=2, params={"zeta": -1.0})
 
 
 def make_server(params: dict | None = None, cls: type[FedProx] = FedProx) -> FedProx:
-    server = cls(TrainSettings(local_steps=5, lr=LR, batch_size=BATCH), params)
-    server.setup(ServerContext(model_spec={}, num_params=3, clients={"a": 1, "b": 3}))
-    return server
+    return set_up(cls(TrainSettings(local_steps=5, lr=LR, batch_size=BATCH), params), 3, {"a": 1, "b": 3})
 
 
 def update(cid: str, samples: int, delta: list[float]) -> Update:
-    return Update(1, 0, cid, samples, 5, 0.0, 0.0, 0.0, np.array(delta, dtype=np.float32))
+    return make_update(cid, delta, num_samples=samples)
 
 
 def test_server_sends_zeta_per_client() -> None:
@@ -145,6 +112,6 @@ def test_server_aggregates_like_fedavg(weighting: str) -> None:
 def test_server_instructions_drive_the_client() -> None:
     server = make_server({"zeta": 0.7})
     told = server.assign(1, "a")
-    start = flat_of(tiny_model(seed=3))
+    start = flat_of(toy_model(seed=3))
     result = run_client(FedProxClient(), start, steps=4, params=told.settings)
     np.testing.assert_allclose(start - result.delta, autograd_prox_sgd(start, 4, 0.7), atol=1e-5)

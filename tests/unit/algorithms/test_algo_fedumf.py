@@ -13,24 +13,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import make_update, train_assignment
+from edgefl_testkit.algorithms import assignment, make_update, set_up, toy_data, train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedumf import FedUmfClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from server.strategies.base import ServerContext, TrainSettings
+from edge_client.messages import Update
+from server.strategies.base import TrainSettings
 from server.strategies.fedumf import FedUmf
 
 D = 8  # Linear(3, 2): 6 weights + 2 biases
 MOMENTUM, WD = 0.5, 5e-4
 
 
-def make_dataset(n: int = 20, seed: int = 3) -> ArrayDataset:
-    rng = np.random.default_rng(seed)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
+def make_dataset() -> ArrayDataset:
+    return toy_data(20, seed=3)
 
 
 def vec(seed: int) -> np.ndarray:
@@ -78,19 +77,11 @@ class Device:
         alpha: float = 1.0,
         steps: int = 3,
     ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
-        a = Assignment(
-            round=t,
-            model_version=t - 1,
-            local_steps=steps,
-            lr=lr,
-            batch_size=4,
-            algorithm="fedumf",
-            weights=w,
-            settings={"alpha": alpha, "lr_prev": lr_prev},
-            momentum=MOMENTUM,
-            weight_decay=WD,
-            upload=upload,
-        )
+        settings = {"alpha": alpha, "lr_prev": lr_prev}
+        a = assignment(
+            w, steps, lr, round=t, model_version=t - 1, algorithm="fedumf", settings=settings,
+            momentum=MOMENTUM, weight_decay=WD, upload=upload,
+        )  # fmt: skip
         result = train_assignment(self.flat, self.data, self.sampler, a, self.client)
         return result.delta, self.batches(steps)
 
@@ -196,9 +187,7 @@ def test_stored_update_survives_a_client_restart(tmp_path) -> None:  # type: ign
 
 def strategy(fraction: float = 0.3, lr: float = 0.1, seed: int = 0, **params: object) -> FedUmf:
     settings = TrainSettings(5, lr, 50, fraction, momentum=MOMENTUM, weight_decay=WD)  # the paper's optimiser
-    s = FedUmf(settings, dict(params), seed=seed)
-    s.setup(ServerContext(model_spec={}, num_params=4, clients={}))
-    return s
+    return set_up(FedUmf(settings, dict(params), seed=seed), 4)
 
 
 @pytest.mark.parametrize(("n", "fraction"), [(10, 0.3), (10, 0.04), (10, 1.0), (7, 0.5), (100, 0.15)])
@@ -288,7 +277,7 @@ def test_invalid_parameters_are_rejected(bad: dict[str, object], message: str) -
 def test_in_process_rounds_fuse_exactly_the_newly_selected_clients() -> None:
     """Server and clients wired as the orchestrator does: the client fuses iff in S_t and not in S_{t-1}."""
     s = strategy(0.4, lr=0.1, lr_decay=0.9, seed=5)
-    s.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 20 for i in range(5)}))
+    set_up(s, D, {f"c{i}": 20 for i in range(5)})
     devices = {f"c{i}": Device(cid=f"c{i}") for i in range(5)}
     w, previous = vec(0), set()
     for t in range(1, 7):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, make_update, train_assignment
+from edgefl_testkit.algorithms import admit, assignment, make_update, set_up, toy_data, toy_model, train_assignment
 from torch import nn
 
 from edge_client.algorithms.fedveca import FedVecaClient
@@ -19,7 +19,7 @@ from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
 from edge_client.protocol import MissingField
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.fedveca import FedVeca
 
 LR = 0.01
@@ -27,26 +27,16 @@ LR = 0.01
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
 def make_flat(seed: int = 0) -> FlatModel:
-    torch.manual_seed(seed)
-    return FlatModel(nn.Linear(3, 2))
+    return FlatModel(toy_model(seed))
 
 
 def make_dataset(n: int = 24, seed: int = 1) -> ArrayDataset:
-    rng = np.random.default_rng(seed)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
+    return toy_data(n, seed)
 
 
 def make_assignment(weights: np.ndarray, tau: int, params: dict | None = None, lr: float = 0.3) -> Assignment:
-    return Assignment(
-        round=2,
-        model_version=1,
-        local_steps=tau,
-        lr=lr,
-        batch_size=4,
-        algorithm="fedveca",
-        weights=weights,
-        settings={"full_grad_batches": 0, **(params or {})},  # the full pass of Alg. 2 line 9 unless a test says
-    )
+    settings = {"full_grad_batches": 0, **(params or {})}  # the full pass of Alg. 2 line 9 unless a test says
+    return assignment(weights, tau, lr, round=2, model_version=1, algorithm="fedveca", settings=settings)
 
 
 def stored_iterates(weights: np.ndarray, data: ArrayDataset, tau: int, lr: float, seed: int, cid: str):
@@ -89,9 +79,7 @@ def algorithm2_beta_delta(h, iterates, grads, p: float) -> tuple[float, float]:
 
 
 def make_strategy(alpha_k: float = 0.95, lr: float = LR, **params) -> FedVeca:
-    s = FedVeca(TrainSettings(local_steps=5, lr=lr, batch_size=8), {"alpha_k": alpha_k, **params})
-    s.setup(ServerContext(model_spec={}, num_params=4, clients={}))
-    return s
+    return set_up(FedVeca(TrainSettings(local_steps=5, lr=lr, batch_size=8), {"alpha_k": alpha_k, **params}), 4)
 
 
 def upd(cid, n, steps, grad, G, beta=0.0, delta=0.0, round_=1) -> Update:
@@ -477,7 +465,7 @@ def test_clients_run_the_instructed_tau_end_to_end() -> None:
     """Three clients, three rounds: every client runs exactly the tau it is told, and round 3 uses adapted taus."""
     s = FedVeca(TrainSettings(local_steps=5, lr=0.2, batch_size=4), {"alpha_k": 0.9})
     datas = {c: make_dataset(n=12 + 6 * i, seed=20 + i) for i, c in enumerate(["a", "b", "c"])}
-    s.setup(ServerContext(model_spec={}, num_params=8, clients={c: len(d) for c, d in datas.items()}))
+    set_up(s, 8, {c: len(d) for c, d in datas.items()})
     algs = {c: FedVecaClient() for c in datas}
     samplers = {c: BatchSampler(len(d), 4, 0, c) for c, d in datas.items()}
     w = make_flat(3).numpy()
@@ -495,9 +483,8 @@ def test_clients_run_the_instructed_tau_end_to_end() -> None:
                 assert res.extras["delta"] == 0.0
             else:
                 assert res.extras["delta"] > 0.0
-            ups.append(
-                Update(r, r - 1, c, len(d), res.local_steps, 0, 0, 0, res.delta, extras=res.extras, arrays=res.arrays)
-            )
+            kw = {"round": r, "model_version": r - 1, "extras": res.extras, "arrays": res.arrays}
+            ups.append(make_update(c, res.delta, num_samples=len(d), local_steps=res.local_steps, **kw))
             admit(s, ups[-1], assigned_steps=ins.local_steps)
         w = s.aggregate(r, w, ups)
         next_tau.append(s.round_metrics()["tau"])

@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from edgefl_testkit.algorithms import train_assignment
-from torch import nn
+from edgefl_testkit.algorithms import assignment, flat_of, make_update, set_up, toy_data, toy_model, train_toy
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.foolsgold import FoolsGoldClient
 from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from server.strategies.base import ServerContext, TrainSettings
+from edge_client.messages import Update
+from server.strategies.base import TrainSettings
 from server.strategies.foolsgold import FoolsGold
 
 D = 4
 
 
 def make_server(params: dict | None = None) -> FoolsGold:
-    server = FoolsGold(TrainSettings(local_steps=5, lr=0.1, batch_size=8), params)
-    server.setup(ServerContext(model_spec={}, num_params=D, clients={"a": 1, "b": 1, "c": 1}))
-    return server
+    return set_up(FoolsGold(TrainSettings(local_steps=5, lr=0.1, batch_size=8), params), D, {"a": 1, "b": 1, "c": 1})
 
 
 def updates(deltas: list) -> list[Update]:
-    return [Update(1, 0, f"c{i}", 10, 5, 0.0, 0.0, 0.0, np.asarray(d, dtype=np.float32)) for i, d in enumerate(deltas)]
+    return [make_update(f"c{i}", d) for i, d in enumerate(deltas)]
 
 
 def cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -153,14 +147,11 @@ def test_literal_extra_one_over_n() -> None:
 def test_client_is_fedavg() -> None:
     assert FoolsGoldClient.contract.name == "foolsgold"
     assert issubclass(FoolsGoldClient, FedAvgClient)
-    torch.manual_seed(0)
-    start = np.concatenate([p.detach().reshape(-1).numpy() for p in nn.Linear(3, 2).parameters()])
-    rng = np.random.default_rng(0)
-    data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
+    start = flat_of(toy_model())
+    data = toy_data(10, seed=0)
     results = []
     for client in (FoolsGoldClient(), FedAvgClient()):
-        a = Assignment(local_steps=4, lr=0.1, batch_size=4, weights=start, round=1, algorithm=client.name)
-        results.append(train_assignment(FlatModel(nn.Linear(3, 2)), data, BatchSampler(10, 4, 0, "c0"), a, client))
+        results.append(train_toy(client, assignment(start, 4, 0.1, round=1, algorithm=client.name), data))
         assert client.state_dict() == {}
     np.testing.assert_array_equal(results[0].delta, results[1].delta)
     assert results[0].arrays == {} and results[0].extras == {}

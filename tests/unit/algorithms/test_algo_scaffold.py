@@ -6,8 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import admit, train_assignment
-from torch import nn
+from edgefl_testkit.algorithms import (
+    admit,
+    assignment,
+    flat_of,
+    make_update,
+    reference_sgd,
+    set_up,
+    toy_data,
+    toy_model,
+    train_toy,
+)
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import LocalContext
@@ -20,67 +29,42 @@ from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
 from edge_client.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
 from edge_client.trainer import plan_for
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.scaffold import Scaffold
 
 LR, BATCH, D = 0.1, 4, 8  # nn.Linear(3, 2) has 8 parameters
 
 
-def tiny_model(seed: int = 0) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(3, 2)
+def dataset(seed: int = 7) -> ArrayDataset:
+    return toy_data(12, seed)
 
 
-def flat_of(module: nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().reshape(-1).numpy() for p in module.parameters()]).astype(np.float32)
-
-
-def dataset(seed: int = 7, n: int = 12) -> ArrayDataset:
-    rng = np.random.default_rng(seed)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
-
-
-def assignment(
+def scaffold_assignment(
     weights: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, round_: int = 1, **params: int
 ) -> Assignment:
     """``params``: e.g. ``last_aggregated`` as the server sends it (absent: the client commits c_i at once)."""
-    return Assignment(
-        local_steps=steps, lr=LR, batch_size=BATCH, settings={"alpha": alpha, **params}, arrays={"c": c.copy()},
-        weights=weights, round=round_,
-    )  # fmt: skip
+    settings = {"alpha": alpha, **params}
+    return assignment(weights, steps, LR, BATCH, settings=settings, arrays={"c": c.copy()}, round=round_)
 
 
 def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, cid: str = "c0", **kw: int):
-    data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
-    sampler = BatchSampler(len(data), BATCH, 0, cid)
-    task = assignment(start, steps, c, alpha, **kw)
+    task = scaffold_assignment(start, steps, c, alpha, **kw)
     if isinstance(client, FedAvgClient):  # the same round for FedAvg, whose contract sends nothing else
         task.settings, task.arrays = {}, {}
-    return train_assignment(FlatModel(tiny_model(seed=99)), data, sampler, task, client)
+    return train_toy(client, task, dataset(seed=len(cid) * 7 + ord(cid[-1])), cid)
 
 
 def manual_sgd(start: np.ndarray, steps: int, constant: np.ndarray, cid: str = "c0") -> np.ndarray:
     """``steps`` SGD steps along autograd's CE gradient plus a constant vector (the spec's v = g + alpha (c - c_i))."""
-    w = torch.from_numpy(start.copy())
     data = dataset(seed=len(cid) * 7 + ord(cid[-1]))
-    sampler = BatchSampler(len(data), BATCH, 0, cid)
-    for _ in range(steps):
-        idx = sampler.next()
-        weight = w[:6].view(2, 3).clone().requires_grad_(True)
-        bias = w[6:].clone().requires_grad_(True)
-        loss = nn.functional.cross_entropy(
-            torch.from_numpy(data.x[idx]) @ weight.T + bias, torch.from_numpy(data.y[idx])
-        )
-        gw, gb = torch.autograd.grad(loss, [weight, bias])
-        g = torch.cat([gw.reshape(-1), gb]) + torch.from_numpy(constant)
-        w = w - LR * g
-    return w.numpy()
+    extra = torch.from_numpy(constant)
+    return reference_sgd(start, data, BatchSampler(len(data), BATCH, 0, cid), steps, LR, lambda w: extra)
 
 
 def test_client_round_matches_the_formulas() -> None:
     rng = np.random.default_rng(0)
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     c, c_i = rng.normal(size=D).astype(np.float32), rng.normal(size=D).astype(np.float32)
     client = ScaffoldClient()
     client.load_state_dict({"c_i": c_i.copy()})
@@ -97,7 +81,7 @@ def test_client_round_matches_the_formulas() -> None:
 
 def test_alpha_is_read_every_round() -> None:
     rng = np.random.default_rng(1)
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     c, c_i = rng.normal(size=D).astype(np.float32), rng.normal(size=D).astype(np.float32)
     for alpha in (0.0, 2.0):
         client = ScaffoldClient()
@@ -105,20 +89,19 @@ def test_alpha_is_read_every_round() -> None:
         result = run_client(client, start, 4, c, alpha)
         np.testing.assert_allclose(start - result.delta, manual_sgd(start, 4, alpha * (c - c_i)), atol=1e-5)
     with pytest.raises(ContractError, match=r"scaffold.alpha: missing from the assignment"):
-        a = assignment(start, 2, c)
+        a = scaffold_assignment(start, 2, c)
         a.settings = {}
-        data = dataset()
-        train_assignment(FlatModel(tiny_model()), data, BatchSampler(len(data), BATCH, 0, "c0"), a, ScaffoldClient())
+        train_toy(ScaffoldClient(), a, dataset())
 
 
 def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int, c: np.ndarray) -> tuple:
     """The trainer's loop, stopped after ``taken`` of the ``told`` steps (a client that ran out of time)."""
-    flat = FlatModel(tiny_model(seed=3))
+    flat = FlatModel(toy_model(seed=3))
     flat.load(start)
     data = dataset()
     sampler = BatchSampler(len(data), BATCH, 0, "c0")
     ctx = LocalContext(
-        flat, flat.params.clone(), plan_for(assignment(start, told, c), client, flat.size), data, sampler
+        flat, flat.params.clone(), plan_for(scaffold_assignment(start, told, c), client, flat.size), data, sampler
     )
     client.begin_round(ctx)
     for step in range(taken):
@@ -132,7 +115,7 @@ def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int
 
 def test_c_i_uses_the_steps_actually_taken() -> None:
     rng = np.random.default_rng(2)
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     c = rng.normal(size=D).astype(np.float32)
     client = ScaffoldClient()
     delta, delta_c = drive_hooks(client, start, told=5, taken=3, c=c)
@@ -148,7 +131,7 @@ def test_c_i_uses_the_steps_actually_taken() -> None:
 
 def test_c_i_uses_a_per_client_tau() -> None:
     # The server may tell a client fewer steps than the run's K: the client's K_i is what it ran (reported).
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     c = np.full(D, 0.1, dtype=np.float32)
     client = ScaffoldClient()
     result = run_client(client, start, 3, c)
@@ -157,7 +140,7 @@ def test_c_i_uses_a_per_client_tau() -> None:
 
 
 def test_round_one_is_fedavg() -> None:
-    start = flat_of(tiny_model(seed=1))
+    start = flat_of(toy_model(seed=1))
     zeros = np.zeros(D, dtype=np.float32)
     results = {}
     for cid in ("a", "b"):
@@ -174,13 +157,12 @@ def test_round_one_is_fedavg() -> None:
 
 def make_server(clients: list[str], params: dict | None = None, samples: dict | None = None) -> Scaffold:
     server = Scaffold(TrainSettings(local_steps=5, lr=LR, batch_size=BATCH), params)
-    server.setup(ServerContext(model_spec={}, num_params=D, clients={c: (samples or {}).get(c, 1) for c in clients}))
-    return server
+    return set_up(server, D, {c: (samples or {}).get(c, 1) for c in clients})
 
 
 def update(cid: str, delta: np.ndarray, delta_c: np.ndarray | None, samples: int = 1, steps: int = 5) -> Update:
     arrays = {} if delta_c is None else {"delta_c": np.asarray(delta_c, dtype=np.float32)}
-    return Update(1, 0, cid, samples, steps, 0.0, 0.0, 0.0, np.asarray(delta, dtype=np.float32), arrays=arrays)
+    return make_update(cid, delta, num_samples=samples, local_steps=steps, arrays=arrays)
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
@@ -218,7 +200,7 @@ def test_server_c_equals_mean_of_all_c_i_under_partial_participation(c_mean_over
     ids = ["a", "b", "c"]
     clients = {k: ScaffoldClient() for k in ids}
     server = make_server(ids, {"c_mean_over": c_mean_over})
-    w = flat_of(tiny_model(seed=4))
+    w = flat_of(toy_model(seed=4))
     for round_, chosen in enumerate((["a", "b"], ["b", "c"], ["a", "c"]), start=1):
         ups = []
         for k in chosen:
@@ -257,12 +239,12 @@ def test_server_rejects_updates_without_a_valid_delta_c() -> None:
 def test_state_round_trips() -> None:
     client = ScaffoldClient()
     assert client.state_dict() == {}
-    run_client(client, flat_of(tiny_model()), 3, np.full(D, 0.2, dtype=np.float32))
+    run_client(client, flat_of(toy_model()), 3, np.full(D, 0.2, dtype=np.float32))
     saved = client.state_dict()
     restored = ScaffoldClient()
     restored.load_state_dict(saved)
     np.testing.assert_array_equal(restored.state_dict()["c_i"], saved["c_i"])
-    start = flat_of(tiny_model(seed=8))
+    start = flat_of(toy_model(seed=8))
     c = np.full(D, -0.1, dtype=np.float32)
     a, b = run_client(client, start, 3, c), run_client(restored, start, 3, c)
     np.testing.assert_array_equal(a.delta, b.delta)
@@ -281,7 +263,7 @@ def test_c_i_is_committed_only_when_the_server_aggregated_that_round() -> None:
     """Round 1's c_i^new waits as pending; round 2's assignment says round 1 was aggregated: committed. Round 2's
     update is lost; round 3's assignment still says 1: round 2's c_i^new is discarded, round 3 corrects with round 1's.
     """
-    start, c = flat_of(tiny_model(seed=1)), np.full(D, 0.1, dtype=np.float32)
+    start, c = flat_of(toy_model(seed=1)), np.full(D, 0.1, dtype=np.float32)
     client = ScaffoldClient()
     r1 = run_client(client, start, 4, c, round_=1, last_aggregated=0)
     assert "c_i" in client.state_dict() and not client.state_dict()["c_i"].any()  # nothing committed yet
@@ -308,7 +290,7 @@ def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost(c_mean_over: s
     ids = ["a", "b", "c"]
     clients = {k: ScaffoldClient() for k in ids}
     server = make_server(ids, {"c_mean_over": c_mean_over})
-    w = flat_of(tiny_model(seed=4))
+    w = flat_of(toy_model(seed=4))
     lost = {1: {"b"}, 2: set(), 3: {"a", "c"}, 4: {"b"}}  # trained and uploaded, never aggregated
     for round_, dropped in lost.items():
         ups = []
@@ -336,7 +318,7 @@ def test_server_c_stays_the_mean_of_the_c_i_with_compressed_uploads(codec: str) 
     clients = {k: ScaffoldClient() for k in ids}
     uplinks = {k: Uplink(k) for k in ids}
     server = make_server(ids)
-    w = flat_of(tiny_model(seed=4))
+    w = flat_of(toy_model(seed=4))
     lossy = 0
     for round_ in range(1, 5):
         ups = []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, make_update, train_assignment
+from edgefl_testkit.algorithms import admit, assignment, make_update, set_up, toy_data, toy_logits, train_assignment
 from torch import nn
 
 from edge_client.algorithms.stem import StemClient
@@ -17,35 +17,26 @@ from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
 from edge_client.protocol import MissingField
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.stem import Stem
 
 D = 8  # Linear(3, 2)
 
 
-def make_dataset(n: int = 16, seed: int = 4) -> ArrayDataset:
-    rng = np.random.default_rng(seed)
-    return ArrayDataset(rng.normal(size=(n, 3)).astype(np.float32), rng.integers(0, 2, size=n))
+def make_dataset() -> ArrayDataset:
+    return toy_data(16, seed=4)
 
 
-def assignment(w: np.ndarray, alpha: float, steps: int = 3, lr: float = 0.1, **extra: object) -> Assignment:
+def stem_assignment(w: np.ndarray, alpha: float, steps: int = 3, lr: float = 0.1, **extra: object) -> Assignment:
     arrays = extra.pop("arrays", {})
-    return Assignment(
-        round=1,
-        local_steps=steps,
-        lr=lr,
-        batch_size=4,
-        algorithm="stem",
-        weights=w,
-        settings={"alpha": alpha, "init": "grad", **extra},  # the device holds no defaults: the server sends both
-        arrays=arrays,  # type: ignore[arg-type]
-    )
+    settings = {"alpha": alpha, "init": "grad", **extra}  # the device holds no defaults: the server sends both
+    return assignment(w, steps, lr, round=1, algorithm="stem", settings=settings, arrays=arrays)
 
 
 def grad_at(w: torch.Tensor, xb: np.ndarray, yb: np.ndarray) -> torch.Tensor:
     """Mini-batch gradient of the cross-entropy of Linear(3, 2) with flat parameters w (weight then bias)."""
     p = w.clone().requires_grad_(True)
-    loss = F.cross_entropy(torch.from_numpy(xb).double() @ p[:6].reshape(2, 3).T + p[6:], torch.from_numpy(yb))
+    loss = F.cross_entropy(toy_logits(p, torch.from_numpy(xb).double()), torch.from_numpy(yb))
     (g,) = torch.autograd.grad(loss, p)
     return g
 
@@ -84,7 +75,7 @@ def run_client(
 ) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
     data = make_dataset()
     sampler, shadow = BatchSampler(len(data), 4, 0, "c0"), BatchSampler(len(data), 4, 0, "c0")
-    result = train_assignment(flat, data, sampler, assignment(w0, alpha, steps, **extra), client)
+    result = train_assignment(flat, data, sampler, stem_assignment(w0, alpha, steps, **extra), client)
     batches = []
     for _ in range(steps):
         idx = shadow.next()
@@ -138,7 +129,7 @@ def test_second_gradient_leaves_the_models_batchnorm_statistics_alone() -> None:
     module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
     flat = FlatModel(module)
     data = make_dataset()
-    a = assignment(flat.numpy(), 0.2, steps=4)
+    a = stem_assignment(flat.numpy(), 0.2, steps=4)
     train_assignment(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, StemClient())
     assert int(module[1].num_batches_tracked) == 4  # one forward per step on the real model (C6)
 
@@ -147,9 +138,7 @@ def test_second_gradient_leaves_the_models_batchnorm_statistics_alone() -> None:
 
 
 def strategy(**params: object) -> Stem:
-    s = Stem(TrainSettings(local_steps=5, lr=0.01, batch_size=64), dict(params))
-    s.setup(ServerContext(model_spec={}, num_params=3, clients={}))
-    return s
+    return set_up(Stem(TrainSettings(local_steps=5, lr=0.01, batch_size=64), dict(params)), 3)
 
 
 def update(cid: str, delta: list[float], v: list[float], samples: int = 10) -> Update:

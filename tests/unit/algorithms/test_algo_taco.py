@@ -12,9 +12,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from edgefl_testkit import algorithms as kit
 from edgefl_testkit.algorithms import train_assignment
-from torch import nn
 
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.algorithms.fedavg import FedAvgClient
@@ -27,7 +26,7 @@ from edge_client.runtime import TrainFn
 from edge_client.trainer import Plan, TrainResult
 from server.experiments.attacks import freeloader
 from server.report import summarize
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.taco import Taco, outliers, stabilised_weights, taco_alphas
 from server.target import Target
 
@@ -62,16 +61,16 @@ def ref_aggregate(w: np.ndarray, deltas: list[np.ndarray], alphas: np.ndarray) -
 
 
 def upd(cid: str, delta: np.ndarray, round_: int = 1) -> Update:
-    return Update(round_, round_ - 1, cid, 10, K, 0.0, 0.0, 0.0, np.asarray(delta, dtype=np.float32))
+    return kit.make_update(cid, delta, local_steps=K, round=round_, model_version=round_ - 1)
 
 
 def strategy(clients: tuple[str, ...] = (), **params: object) -> Taco:
     """A TACO server half; eqs. 9 and 10 as printed (``aggregation``, ``detection = "paper"``) unless the test asks
     for the stabilised ones."""
     literal = {"aggregation": "paper", "detection": "paper"}
-    s = Taco(TrainSettings(local_steps=K, lr=LR, batch_size=4), {**literal, **params})
-    s.setup(ServerContext(model_spec={}, num_params=0, clients=dict.fromkeys(clients, 10)))
-    return s
+    return kit.set_up(
+        Taco(TrainSettings(local_steps=K, lr=LR, batch_size=4), {**literal, **params}), 0, dict.fromkeys(clients, 10)
+    )
 
 
 # -- eq. 7 ------------------------------------------------------------------------------------------------------------
@@ -537,14 +536,13 @@ def assignment(
     params: dict[str, object] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
 ) -> Assignment:
-    return Assignment(
+    return kit.assignment(
+        np.asarray(weights, dtype=np.float32),
+        K,
+        LR,
         round=version + 1,
         model_version=version,
-        local_steps=K,
-        lr=LR,
-        batch_size=4,
         algorithm="taco",
-        weights=np.asarray(weights, dtype=np.float32),
         alpha=alpha,
         settings={"gamma": 0.5, "correction": "per_step", "tailored_correction": True, **(params or {})},
         arrays=arrays or {},
@@ -552,35 +550,20 @@ def assignment(
 
 
 def tiny() -> tuple[FlatModel, ArrayDataset]:
-    torch.manual_seed(0)
-    rng = np.random.default_rng(1)
-    data = ArrayDataset(rng.normal(size=(16, 3)).astype(np.float32), rng.integers(0, 2, size=16))
-    return FlatModel(nn.Linear(3, 2)), data
+    return FlatModel(kit.toy_model()), kit.toy_data(16, seed=1)
 
 
 def run(algorithm: ClientAlgorithm, a: Assignment) -> np.ndarray:
     if type(algorithm) is FedAvgClient:  # the same round without TACO's part of the assignment
         a = replace(a, alpha=None, settings={}, arrays={})
-    flat, data = tiny()
-    return train_assignment(flat, data, BatchSampler(len(data), 4, 0, "c0"), a, algorithm).delta
+    return kit.train_toy(algorithm, a, kit.toy_data(16, seed=1)).delta
 
 
 def manual(w: np.ndarray, corr: np.ndarray) -> np.ndarray:
     """K autograd SGD steps on the Linear(3, 2) cross-entropy with ``corr`` added to every gradient (eq. 8)."""
     _, data = tiny()
-    sampler = BatchSampler(len(data), 4, 0, "c0")
-    weight = torch.tensor(w[:6].reshape(2, 3), requires_grad=True)
-    bias = torch.tensor(w[6:], requires_grad=True)
     c = torch.from_numpy(np.asarray(corr, dtype=np.float32))
-    for _ in range(K):
-        idx = sampler.next()
-        loss = F.cross_entropy(torch.from_numpy(data.x[idx]) @ weight.T + bias, torch.from_numpy(data.y[idx]))
-        gw, gb = torch.autograd.grad(loss, [weight, bias])
-        with torch.no_grad():
-            weight -= LR * (gw + c[:6].reshape(2, 3))
-            bias -= LR * (gb + c[6:])
-    end = torch.cat([weight.detach().reshape(-1), bias.detach()]).numpy()
-    return w - end
+    return w - kit.reference_sgd(w, data, BatchSampler(len(data), 4, 0, "c0"), K, LR, lambda _: c)
 
 
 W_PREV = np.array([0.3, -0.2, 0.1, 0.5, 0.0, -0.4, 0.2, 0.1], np.float32)

@@ -11,18 +11,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
-from edgefl_testkit.algorithms import train_assignment
+from edgefl_testkit.algorithms import assignment, make_update, toy_data, train_toy
 from edgefl_testkit.fakes import as_sent
-from torch import nn
 
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.algorithms.fedprox_taco import FedProxTacoClient
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, GlobalModel, Update
 from edge_client.models_cache import ModelCache
 from edge_client.protocol import decode, encode
@@ -52,7 +48,11 @@ def make_updates(round_: int, seed: int) -> list[Update]:
     for i in range(4):
         delta = (base + rng.normal(scale=0.8, size=D)).astype(np.float32)
         delta_c = rng.normal(size=D).astype(np.float32)
-        out.append(Update(round_, round_ - 1, f"c{i}", 10, 3, 0.0, 0.0, 0.0, delta, arrays={"delta_c": delta_c}))
+        out.append(
+            make_update(
+                f"c{i}", delta, local_steps=3, round=round_, model_version=round_ - 1, arrays={"delta_c": delta_c}
+            )
+        )
     return out
 
 
@@ -157,13 +157,9 @@ def test_variants_take_the_previous_global_update_as_reference(variant: type) ->
 def tiny_run(
     algorithm: object, params: dict[str, float], arrays: dict[str, np.ndarray], alpha: float | None = None
 ) -> np.ndarray:
-    torch.manual_seed(0)
-    flat = FlatModel(nn.Linear(3, 2))
-    rng = np.random.default_rng(1)
-    data = ArrayDataset(rng.normal(size=(16, 3)).astype(np.float32), rng.integers(0, 2, size=16))
-    w = np.linspace(-0.5, 0.5, flat.size).astype(np.float32)
-    a = Assignment(local_steps=3, lr=0.1, batch_size=4, alpha=alpha, settings=params, arrays=arrays, weights=w, round=1)
-    return train_assignment(flat, data, BatchSampler(16, 4, 0, "c"), a, algorithm).delta  # type: ignore[arg-type]
+    w = np.linspace(-0.5, 0.5, 8).astype(np.float32)
+    a = assignment(w, 3, 0.1, alpha=alpha, settings=params, arrays=arrays, round=1)
+    return train_toy(algorithm, a, toy_data(16, seed=1), "c").delta  # type: ignore[arg-type]
 
 
 def test_client_variants_are_the_base_clients_with_the_tailored_coefficient() -> None:
