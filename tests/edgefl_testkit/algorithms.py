@@ -1,12 +1,11 @@
-"""Feeding an algorithm's halves by hand: updates made up for a server half, a server half set up without an
-orchestrator, a device half trained on an assignment (the one assignment builder of these tests), the orchestrator's
-admission check, and the toy task the formulas are checked on: Linear(3, 2) on 3 features and 2 classes, small enough
-to recompute every step by autograd without the trainer."""
+"""Feeding an algorithm's halves by hand: a server half set up without an orchestrator, a device half trained on
+an assignment, the orchestrator's admission check, and the toy task the formulas are checked on: Linear(3, 2) on 3
+features and 2 classes, small enough to recompute every step by autograd without the trainer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,18 +23,6 @@ from server.strategies import Strategy
 from server.strategies.base import ServerContext
 
 S = TypeVar("S", bound=Strategy)
-
-
-def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_steps: int = 5, **fields: Any) -> Update:
-    """A valid round-1 update for feeding server halves by hand; ``fields`` override any other Update field."""
-    base: dict[str, Any] = {"round": 1, "model_version": 0, "compute_s": 0.0, "cpu_s": 0.0, "train_loss": 0.0}
-    return Update(
-        client_id=client_id,
-        delta=np.asarray(delta, dtype=np.float32),
-        num_samples=num_samples,
-        local_steps=local_steps,
-        **{**base, **fields},
-    )
 
 
 def train_assignment(
@@ -71,12 +58,6 @@ def set_up(strategy: S, num_params: int, clients: dict[str, int] | None = None) 
     registered ``clients`` with their sample counts."""
     strategy.setup(ServerContext(model_spec={}, num_params=num_params, clients=clients or {}))
     return strategy
-
-
-def assignment(weights: np.ndarray | None, steps: int, lr: float, batch_size: int = 4, **fields: Any) -> Assignment:
-    """A round's instructions as a device holds them once the round's model arrived: start from ``weights``, run
-    ``steps`` local steps; ``fields``: any other Assignment field (settings, arrays, round, algorithm, ...)."""
-    return Assignment(local_steps=steps, lr=lr, batch_size=batch_size, weights=weights, **fields)
 
 
 # ---------------------------------------------------------------------------------------------------- the toy task

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import make_update
 from edgefl_testkit.basics import poll
 from edgefl_testkit.fakes import FakeDevice, as_sent, zero_update
 from edgefl_testkit.federation import Hooks, make_config, reported, restart_client, start_federation
+from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from edgefl_testkit.algorithms import train_assignment
+from edgefl_testkit.messages import round_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
@@ -54,18 +55,7 @@ def make_dataset(n: int = 40) -> ArrayDataset:
 
 
 def assignment(round_: int, local_steps: int, weights: np.ndarray, spec: dict[str, Any] = SPEC) -> Assignment:
-    return Assignment(
-        round=round_,
-        model_version=round_ - 1,
-        local_steps=local_steps,
-        lr=0.05,
-        batch_size=8,
-        deadline_s=30.0,
-        algorithm="fedavg",
-        model=dict(spec),
-        weights=weights,
-        seed=2,
-    )
+    return round_assignment(round_, weights, spec, steps=local_steps, lr=0.05, batch_size=8, seed=2)
 
 
 class FakeServer:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import make_update
 from edgefl_testkit.basics import spill_files
 from edgefl_testkit.benchmarks import run_benchmark_quick
+from edgefl_testkit.messages import make_update
 from edgefl_testkit.mqtt import require_mosquitto
 
 from benchmarks import load

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import assignment, make_update, reference_sgd, toy_data, toy_model, train_assignment
+from edgefl_testkit.algorithms import reference_sgd, toy_data, toy_model, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import assignment, make_update, set_up, toy_data, train_assignment
+from edgefl_testkit.algorithms import set_up, toy_data, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
 from edge_client.algorithms.fedumf import FedUmfClient

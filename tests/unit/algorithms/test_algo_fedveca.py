@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, assignment, make_update, set_up, toy_data, toy_model, train_assignment
+from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
 from edge_client.algorithms.fedveca import FedVecaClient

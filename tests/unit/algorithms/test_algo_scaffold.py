@@ -6,17 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import (
-    admit,
-    assignment,
-    flat_of,
-    make_update,
-    reference_sgd,
-    set_up,
-    toy_data,
-    toy_model,
-    train_toy,
-)
+from edgefl_testkit.algorithms import admit, flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
+from edgefl_testkit.messages import assignment, make_update
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import LocalContext

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 from edgefl_testkit import algorithms as kit
+from edgefl_testkit import messages
 from edgefl_testkit.algorithms import train_assignment
+from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.algorithms.fedavg import FedAvgClient
@@ -61,7 +63,7 @@ def ref_aggregate(w: np.ndarray, deltas: list[np.ndarray], alphas: np.ndarray) -
 
 
 def upd(cid: str, delta: np.ndarray, round_: int = 1) -> Update:
-    return kit.make_update(cid, delta, local_steps=K, round=round_, model_version=round_ - 1)
+    return make_update(cid, delta, local_steps=K, round=round_, model_version=round_ - 1)
 
 
 def strategy(clients: tuple[str, ...] = (), **params: object) -> Taco:
@@ -536,7 +538,7 @@ def assignment(
     params: dict[str, object] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
 ) -> Assignment:
-    return kit.assignment(
+    return messages.assignment(
         np.asarray(weights, dtype=np.float32),
         K,
         LR,

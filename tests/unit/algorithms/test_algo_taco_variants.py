@@ -11,8 +11,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import assignment, make_update, toy_data, train_toy
+from edgefl_testkit.algorithms import toy_data, train_toy
 from edgefl_testkit.fakes import as_sent
+from edgefl_testkit.messages import assignment, make_update
 
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.algorithms.fedprox_taco import FedProxTacoClient

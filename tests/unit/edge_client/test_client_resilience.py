@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgefl_testkit.fakes import as_sent
+from edgefl_testkit.messages import round_assignment
 
 from edge_client.data import ArrayDataset, load_local_data
 from edge_client.messages import Assignment, Failure, Presence
@@ -67,10 +68,7 @@ def test_training_error_is_reported_and_the_client_keeps_serving(tmp_path: Path)
 
 
 def assignment(run_id: str, round_: int, size: int) -> Assignment:
-    return Assignment(
-        local_steps=1, lr=0.1, batch_size=4, settings={}, weights=np.zeros(size, np.float32), round=round_,
-        model_version=round_ - 1, deadline_s=10.0, algorithm="fedavg", model=SPEC, upload=False, run_id=run_id,
-    )  # fmt: skip
+    return round_assignment(round_, np.zeros(size, np.float32), SPEC, run_id=run_id, deadline_s=10.0, upload=False)
 
 
 def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from edgefl_testkit.messages import round_assignment
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import ClientAlgorithm
@@ -107,9 +108,8 @@ class Device:
 
 
 def assignment(round_: int, codec: str = "fp32", run: str = "run-a", **fields: Any) -> Assignment:
-    fields.setdefault("weights", np.zeros(SIZE, np.float32))
-    return Assignment(local_steps=2, lr=0.1, batch_size=4, round=round_, model_version=round_ - 1, deadline_s=30.0,
-                      algorithm="fedavg", model=dict(SPEC), codec=codec, run_id=run, **fields)  # fmt: skip
+    weights = fields.pop("weights", np.zeros(SIZE, np.float32))
+    return round_assignment(round_, weights, SPEC, steps=2, codec=codec, run_id=run, **fields)
 
 
 def deltas(n: int, seed: int = 5) -> list[np.ndarray]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from edgefl_testkit.messages import assignment
 
 from edge_client.algorithms import CLIENT_ALGORITHMS, CONTRACTS, client_algorithm
 from edge_client.contract import ContractError, Setting, checked_norm, settings_markdown, vector_norm
@@ -81,10 +82,8 @@ def full_assignment(algorithm: str, size: int) -> Assignment:
     """What a server would send: the contract's device settings and per-round values, and every array."""
     contract = CONTRACTS[algorithm]
     arrays = {a.name: np.zeros(size, np.float32) for a in contract.sends}
-    return Assignment(
-        local_steps=2, lr=0.1, batch_size=4, alpha=0.3 if contract.uses_alpha else None,
-        settings=contract.example_sent(), arrays=arrays, weights=np.zeros(size, np.float32),
-    )  # fmt: skip
+    alpha = 0.3 if contract.uses_alpha else None
+    return assignment(np.zeros(size, np.float32), 2, alpha=alpha, settings=contract.example_sent(), arrays=arrays)
 
 
 @pytest.mark.parametrize("algorithm", sorted(CONTRACTS))

@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import make_update
+from edgefl_testkit.messages import make_update, round_assignment
 
 from edge_client.messages import Ack, Assignment, Chunk, Hello, Message, Presence, Resync, Stop, Update, model_digest
 from edge_client.protocol import InvalidField, decode, encode
@@ -29,9 +29,8 @@ class Clock:
 def assignment(run_id: str, round_: int, deadline_s: float = 60.0) -> Assignment:
     """As the server sends it: naming its round's model (``server.distribution``)."""
     weights = np.zeros(3, np.float32)
-    return Assignment(local_steps=1, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
-                      deadline_s=deadline_s, algorithm="fedavg", model={}, run_id=run_id,
-                      model_sha256=model_digest(weights, {}))  # fmt: skip
+    return round_assignment(round_, weights, {}, run_id=run_id, deadline_s=deadline_s, model_version=round_,
+                            model_sha256=model_digest(weights, {}))  # fmt: skip
 
 
 def online(run_id: str) -> Presence:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgefl_testkit.federation import make_config
+from edgefl_testkit.messages import assignment
 
 from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
 from edge_client.messages import Assignment, ModelRequest, model_digest
@@ -24,8 +25,8 @@ C = np.full(50, 0.25, np.float32)
 
 
 def _assignment(weights: np.ndarray = W, **arrays: np.ndarray) -> Assignment:
-    return Assignment(local_steps=2, lr=0.1, batch_size=8, weights=weights, arrays=arrays, round=4,
-                      algorithm="scaffold", deadline_s=10.0, model={"name": "mlp"})  # fmt: skip
+    return assignment(weights, 2, batch_size=8, arrays=arrays, round=4, algorithm="scaffold", deadline_s=10.0,
+                      model={"name": "mlp"})  # fmt: skip
 
 
 def test_a_round_becomes_one_model_with_the_global_arrays_and_assignments_with_their_own() -> None:

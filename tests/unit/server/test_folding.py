@@ -11,9 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import admit, make_update
+from edgefl_testkit.algorithms import admit
 from edgefl_testkit.basics import spill_files
 from edgefl_testkit.federation import Hooks, make_config
+from edgefl_testkit.messages import make_update
 
 from edge_client.contract import vector_norm
 from edge_client.data import ArrayDataset
@@ -22,7 +23,6 @@ from edge_client.models import build_model, num_params
 from edge_client.transport import LinkConfig
 from server.checkpoint import pack_state
 from server.config import from_dict
-from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
@@ -258,11 +258,6 @@ def test_spilling_changes_no_result(name: str, tmp_path: Path) -> None:
         np.testing.assert_array_equal(a, b)
     assert in_ram.round_metrics() == spilling.round_metrics()
     assert spilling._store is not None and spilling._store._spill is not None  # it really spilled
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits", seed=0)
 
 
 def orchestrator(algorithm: str, digits, tmp_path: Path) -> Orchestrator:

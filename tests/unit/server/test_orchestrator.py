@@ -32,18 +32,12 @@ from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState
 from server.broker import Broker
 from server.config import RunConfig, from_dict
-from server.datasets import load_dataset
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
 
 SEED = 3
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits", seed=0)
 
 
 def make_config(tmp_path: Path, job: str, *, rounds: int = 3, count: int = 3, **extra: Any) -> RunConfig:

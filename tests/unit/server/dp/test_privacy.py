@@ -11,9 +11,9 @@ import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting import pld, rdp
-from edgefl_testkit.algorithms import make_update
 from edgefl_testkit.benchmarks import run_benchmark_quick
 from edgefl_testkit.federation import make_config, run_simulated, run_to_end
+from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import ContractError, vector_norm
