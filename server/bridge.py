@@ -4,7 +4,7 @@ A fleet spread over sites keeps one mosquitto per site; the server talks to one 
 forwards its devices' `up` topics to the centre and brings their `down` topics and the job-wide topics back, over
 TLS, logged in with the site's own credentials. Only the listed devices' topics cross: the central broker's ACL
 (`server.acl.site_rules`) allows the site's login nothing else, and the site's own ACL is the usual per-device one.
-Facts this rests on (Debian's mosquitto 2.0.11, measured in tests/test_bridge.py and docs/scaling.md):
+Facts this rests on (Debian's mosquitto 2.0.11, measured in tests/integration/test_bridge.py and docs/scaling.md):
 - The bridge speaks MQTT 3.1.1, not 5: a 2.0.11 bridge with `bridge_protocol_version mqttv50` sends no session
   expiry interval, so the central broker ends its session at every disconnect and whatever the server sends to a
   site while its link is down is lost. With 3.1.1 and `cleansession false` the centre keeps the session and queues,

@@ -102,7 +102,8 @@ class BrokerSettings:
     allow_anonymous: bool = False
     persistence: bool = True
     # Seconds between persistence snapshots: a SIGKILL loses what changed since the last one. Not mosquitto's 30: a
-    # broker killed in its first half minute then lost every session (tests/test_faults.py, broker SIGKILL test).
+    # broker killed in its first half minute then lost every session (tests/integration/test_faults.py, broker SIGKILL
+    # test).
     # A snapshot holds the sessions, retained messages (the model) and messages in flight: a few MB at most.
     autosave_interval: int = 5
     # PEM server certificate and key (e.g. server.crt / server.key from firmware_scripts/provision-broker.sh init):

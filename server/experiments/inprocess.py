@@ -7,7 +7,7 @@ no processes, and every client's compute time is measured with the machine to it
 cores), which is what the papers' time-to-accuracy figures assume.
 
 With one torch thread and the same seed, a run gives the same accuracy as the same run over a broker with one
-process per client (tests/test_inprocess.py checks this to 1e-4 after three rounds).
+process per client (tests/integration/test_inprocess.py checks this to 1e-4 after three rounds).
 
 Beside the real wall clock, a run keeps the parallel clock (``server.fleet_summary``): each round as long as its
 slowest device, the time a fleet would take. With a fleet of device profiles (``[fleet]``, ``--fleet``), each client's

@@ -10,7 +10,7 @@
 Deviation from ALGORITHMS.md 2.4 (b): by default c is the mean over the clients that contributed, not over every
 registered one. A registered device whose updates are always refused (a broken or hostile one) or never arrive would
 otherwise shrink every honest contribution to c by N_honest / N: with one hostile device beside three honest ones,
-digits reached 78% instead of 82% after four rounds (tests/test_hostile.py). Under partial participation the
+digits reached 78% instead of 82% after four rounds (tests/integration/test_hostile.py). Under partial participation the
 registered rule lets clients not yet sampled count as c_i = 0; the contributor rule averages the c_i that exist.
 
 ``c_0 = 0`` (2.4 (d)), so round 1 is exactly FedAvg (2.4 (f)3). Each client gets ``c`` as the array ``"c"``, the

@@ -1,8 +1,8 @@
 """Bridged site brokers: clients on two site mosquittos, the server on a central one, TLS between sites and centre.
 
 All real: three mosquitto processes, the bridges are mosquitto's own, the clients are `edge-client` processes. A
-forbidden message "not arriving" is proved by ordering, as in tests/test_broker.py: the same sender then sends a
-permitted sentinel on the same connection with the same QoS, and MQTT delivers in order.
+forbidden message "not arriving" is proved by ordering, as in tests/integration/test_broker.py: the same sender then
+sends a permitted sentinel on the same connection with the same QoS, and MQTT delivers in order.
 """
 
 from __future__ import annotations

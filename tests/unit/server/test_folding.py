@@ -1,6 +1,7 @@
 """Aggregation folded as updates arrive (issue 16): every strategy's ``begin``/``fold``/``finish``, the store that
 keeps a round's uploads for the algorithms that need all of them, and the orchestrator's drop of a round whose
-aggregation failed. The formulas themselves are checked against hand-made vectors in tests/test_algo_*.py."""
+aggregation failed. The formulas themselves are checked against hand-made vectors in
+tests/unit/algorithms/test_algo_*.py."""
 
 from __future__ import annotations
 
