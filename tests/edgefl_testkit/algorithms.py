@@ -56,7 +56,7 @@ def admit(
 def set_up(strategy: S, num_params: int, clients: dict[str, int] | None = None) -> S:
     """``strategy`` set up as the orchestrator does before round 1: a model of ``num_params``, no model spec, the
     registered ``clients`` with their sample counts."""
-    strategy.setup(ServerContext(model_spec={}, num_params=num_params, clients=clients or {}))
+    strategy.setup(ServerContext(model_spec={}, num_params=num_params, clients=dict(clients or {})))  # its own copy
     return strategy
 
 

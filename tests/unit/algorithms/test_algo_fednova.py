@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, toy_data, toy_model, train_assignment
+from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
 from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
@@ -18,7 +18,7 @@ from edge_client.flat import FlatModel
 from edge_client.messages import Update
 from edge_client.models import set_flat
 from server.admission import WrongSteps
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.fednova import FedNova
 
@@ -71,7 +71,7 @@ def test_partial_participation_renormalises_and_uses_reported_steps() -> None:
     rng = np.random.default_rng(1)
     w = rng.normal(size=5).astype(np.float32)
     s = FedNova(SETTINGS)
-    s.setup(ServerContext({}, 5, {"a": 40, "b": 100, "c": 20}))
+    set_up(s, 5, {"a": 40, "b": 100, "c": 20})
     assert s.assign(1, "b").local_steps == 10
     deltas = [rng.normal(size=5), rng.normal(size=5)]
     updates = [upd("a", deltas[0], 40, 4), upd("b", deltas[1], 100, 7)]  # b stopped after 7 of 10
@@ -101,7 +101,7 @@ def test_equal_tau_reduces_to_sample_weighted_fedavg() -> None:
 def test_per_client_tau_from_dataset_size(epochs: float, expected: dict[str, int]) -> None:
     """tau_i = max(1, floor(E D_i / B)) with B = 10: D = 100, 35, 5 (0 steps -> 1), 0."""
     s = FedNova(SETTINGS, {"epochs": epochs})
-    s.setup(ServerContext({}, 3, {"a": 100, "b": 35, "c": 5, "d": 0}))
+    set_up(s, 3, {"a": 100, "b": 35, "c": 5, "d": 0})
     for cid, tau in expected.items():
         told = s.assign(1, cid)
         assert told.local_steps == tau, cid
@@ -111,19 +111,19 @@ def test_per_client_tau_from_dataset_size(epochs: float, expected: dict[str, int
 def test_floor_tolerates_float_rounding() -> None:
     """0.29 * 100 / 1 = 28.999999999999996 in floating point; E D_i / B = 29 exactly must give 29 steps."""
     s = FedNova(TrainSettings(local_steps=5, lr=0.1, batch_size=1), {"epochs": 0.29})
-    s.setup(ServerContext({}, 3, {"a": 100}))
+    set_up(s, 3, {"a": 100})
     assert s.assign(1, "a").local_steps == 29
 
 
 def test_fixed_mode_gives_everyone_the_run_default() -> None:
     s = FedNova(SETTINGS, {"local_steps_mode": "fixed"})
-    s.setup(ServerContext({}, 3, {"a": 100, "b": 3}))
+    set_up(s, 3, {"a": 100, "b": 3})
     assert [s.assign(1, c).local_steps for c in ("a", "b")] == [5, 5]
 
 
 def test_rejects_update_without_steps() -> None:
     s = FedNova(SETTINGS)
-    s.setup(ServerContext({}, 3, {"a": 10}))
+    set_up(s, 3, {"a": 10})
     told = s.assign(1, "a").local_steps
     admit(s, upd("a", np.zeros(3), 10, 1), assigned_steps=told)
     with pytest.raises(WrongSteps, match="claims 0 local steps"):

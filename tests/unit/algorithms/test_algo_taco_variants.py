@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import toy_data, train_toy
+from edgefl_testkit.algorithms import set_up, toy_data, train_toy
 from edgefl_testkit.fakes import as_sent
 from edgefl_testkit.messages import assignment, make_update
 
@@ -23,7 +23,7 @@ from edge_client.contract import ContractError
 from edge_client.messages import Assignment, GlobalModel, Update
 from edge_client.models_cache import ModelCache
 from edge_client.protocol import decode, encode
-from server.strategies.base import ServerContext, TrainSettings
+from server.strategies.base import TrainSettings
 from server.strategies.fedprox import FedProx
 from server.strategies.fedprox_taco import FedProxTaco
 from server.strategies.scaffold import Scaffold
@@ -31,6 +31,7 @@ from server.strategies.scaffold_taco import ScaffoldTaco
 
 SETTINGS = TrainSettings(local_steps=3, lr=0.05, batch_size=4)
 D = 8
+CLIENTS = {f"c{i}": 10 for i in range(4)}
 
 
 def ref_alphas(deltas: list[np.ndarray], reference: np.ndarray | None = None) -> np.ndarray:
@@ -71,7 +72,7 @@ def on_the_wire(told: Assignment, weights: np.ndarray, algorithm: str) -> Assign
 def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
     s = FedProxTaco(SETTINGS, {"zeta": 0.2})
     assert isinstance(s, FedProx) and s.name == "fedprox-taco" and s.params["alpha_init"] == 0.1
-    s.setup(ServerContext(model_spec={}, num_params=D))
+    set_up(s, D)
     w = np.zeros(D, np.float32)
     first = on_the_wire(s.assign(1, "c0"), w, s.name)
     assert first.alpha == pytest.approx(0.1) and first.settings == {"zeta": 0.2}  # alpha^0: alpha_init
@@ -101,14 +102,14 @@ def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
 def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
     s = ScaffoldTaco(SETTINGS)
     assert isinstance(s, Scaffold) and s.name == "scaffold-taco"
-    s.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    set_up(s, D, CLIENTS)
     w = np.zeros(D, np.float32)
     first = on_the_wire(s.assign(1, "c0"), w, s.name)
     assert first.alpha == pytest.approx(0.1) and first.settings["alpha"] == 1.0  # alpha_i^0, SCAFFOLD's alpha
 
     ups = make_updates(1, seed=2)
     plain = Scaffold(SETTINGS)
-    plain.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    set_up(plain, D, CLIENTS)
     new = s.aggregate(1, w, ups)
     np.testing.assert_array_equal(new, plain.aggregate(1, w, ups))  # SCAFFOLD's aggregation and c unchanged
     np.testing.assert_array_equal(s.c, plain.c)
@@ -119,7 +120,7 @@ def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
         np.testing.assert_array_equal(wire.arrays["c"], s.c)
 
     half = ScaffoldTaco(SETTINGS, {"alpha": 0.5})  # SCAFFOLD's alpha stays a multiplier (the device's)
-    half.setup(ServerContext(model_spec={}, num_params=D))
+    set_up(half, D)
     half.aggregate(1, w, ups)
     told = half.assign(2, "c2")
     assert told.settings["alpha"] == 0.5 and told.alpha == pytest.approx(alphas[2], rel=1e-6)
@@ -135,7 +136,7 @@ def test_variants_take_the_previous_global_update_as_reference(variant: type) ->
     s = variant(SETTINGS, {"alpha_reference": "previous_global"})
     with pytest.raises(ContractError, match="alpha_reference"):
         variant(SETTINGS, {"alpha_reference": "median"})
-    s.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    set_up(s, D, CLIENTS)
     w0 = np.zeros(D, np.float32)
     w1 = s.aggregate(1, w0, make_updates(1, seed=3))
     assert all(s.assign(2, f"c{i}").alpha == 0.0 for i in range(4))  # round 0: no reference, alpha 0
@@ -146,7 +147,7 @@ def test_variants_take_the_previous_global_update_as_reference(variant: type) ->
     for u, a in zip(ups, alphas, strict=True):
         assert s.assign(3, u.client_id).alpha == pytest.approx(a, rel=1e-5)
     restored = variant(SETTINGS, {"alpha_reference": "previous_global"})
-    restored.setup(ServerContext(model_spec={}, num_params=D, clients={f"c{i}": 10 for i in range(4)}))
+    set_up(restored, D, CLIENTS)
     restored.load_state_dict(s.state_dict())
     ups3 = make_updates(3, seed=5)
     np.testing.assert_array_equal(s.aggregate(3, w2, ups3), restored.aggregate(3, w2, ups3))
