@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import sys
 import time
 import uuid
 from collections import Counter
@@ -809,9 +810,11 @@ class Orchestrator:
             log.error("model.onnx of round %d not published for devices (%s); copy it to them instead", round_, exc)
 
     def _shutdown(self) -> None:
+        stopped = sys.exc_info()[1]  # called from a finally: Ctrl-C, kill or an error on its way out
+        reason = "training finished" if stopped is None else f"interrupted ({stopped or type(stopped).__name__})"
         try:
             self.distribution.clear()
-            self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
+            self.link.publish(self.topics.broadcast, encode(Stop(reason=reason[:200], run_id=self.run_id)))
             offline = Presence(client_id="server", online=False, role="server", reason="stopped", run_id=self.run_id)
             self.link.publish(self.topics.server, encode(offline), retain=True)
             self.link.wait_published(timeout=5.0)
