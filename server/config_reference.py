@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import io
 import json
+import textwrap
 import tokenize
 import types
 import typing
@@ -50,7 +51,7 @@ def _toml(value: Any) -> str:
 def field_comments(cls: type) -> dict[str, str]:
     """Each dataclass field's comments in its source: the block right above it and the one on its own line(s)."""
     lines, _ = inspect.getsourcelines(cls)
-    source = inspect.cleandoc("".join(lines)) if lines[0].startswith(" ") else "".join(lines)
+    source = textwrap.dedent("".join(lines))  # a class defined inside a function is indented
     comments: dict[int, tuple[str, bool]] = {}  # line -> (text, alone on its line)
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
