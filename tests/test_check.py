@@ -103,6 +103,14 @@ def test_the_wrong_scheme_for_a_tls_listener_says_use_mqtts(tmp_path: Path) -> N
         assert by_name(list(check.check_broker(lambda: good, "tls-1", "j")))["broker"].ok is True
 
 
+def test_tls_against_a_plain_listener_says_so(broker: Broker) -> None:
+    """The other way round: mqtts:// to the session's plain mosquitto fails at once, naming the handshake."""
+    _, port, _ = LinkConfig(broker.url).endpoint()
+    config = LinkConfig(f"mqtts://127.0.0.1:{port}", "c9", broker.devices["c9"].password)
+    items = by_name(list(check.check_broker(lambda: config, "c9", "j")))
+    assert items["broker"].ok is False and "does not complete a TLS handshake" in items["broker"].detail
+
+
 def test_acl_denial_is_detected(broker: Broker) -> None:
     """Logged in as c6 but checking as c7: mosquitto's ACL refuses c6 on c7's up topic (PUBACK 0x87)."""
     config = LinkConfig(broker.url, "c6", broker.devices["c6"].password)
