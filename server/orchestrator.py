@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -386,9 +387,11 @@ class Orchestrator:
         return weights, reason
 
     def _shutdown(self) -> None:
+        stopped = sys.exc_info()[1]  # called from a finally: Ctrl-C, kill or an error on its way out
+        reason = "training finished" if stopped is None else f"interrupted ({stopped or type(stopped).__name__})"
         try:
             self.distribution.clear()
-            self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
+            self.link.publish(self.topics.broadcast, encode(Stop(reason=reason[:200], run_id=self.run_id)))
             self.link.publish(self.topics.server, encode(server_offline("stopped", self.run_id)), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:

@@ -29,6 +29,7 @@ class RoundProgress:
             transient=True,
         )
         self.task = self.progress.add_task("starting", total=rounds)
+        self._waiting = ""  # the last wait shown: without a terminal each change is a line of its own
 
     def __enter__(self) -> RoundProgress:
         self.progress.start()
@@ -38,7 +39,12 @@ class RoundProgress:
         self.progress.stop()
 
     def waiting(self, text: str) -> None:
+        """The bar's text on a terminal; elsewhere (a log file, systemd's journal) no bar is drawn, so each change of
+        what the server waits for is printed as a line: a server waiting for devices never looks hung."""
         self.progress.update(self.task, description=text)
+        if text != self._waiting and not self.console.is_terminal:
+            self.console.print(text, highlight=False, soft_wrap=True)
+        self._waiting = text
 
     def round_done(self, row: dict[str, Any]) -> None:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
