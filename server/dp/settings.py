@@ -20,7 +20,7 @@ class PrivacySection:
     target_epsilon: float = 0.0  # the budget: the run stops before a round would spend more (0: no budget)
     delta: float = 0.0  # 0: 1 / clients.count^1.1
     adaptive_clipping: bool = False  # C follows the target_quantile of update norms (Andrew et al. 2021)
-    target_quantile: float = 0.5
+    target_quantile: float = 0.5  # adaptive clipping: the fraction of devices whose update norm should be within C
     clip_learning_rate: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
     secure_aggregation: bool = False  # the devices add the noise in shares, the server only sees the masked sum
 
