@@ -1,0 +1,146 @@
+"""Secure aggregation's protocol as a library, with hand-made keys and no broker: Shamir sharing, the masks
+cancelling in the sum, a wrong share refused, dropouts recovered up to n - t and not beyond."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.secagg import crypto, shamir
+from edge_client.secagg.device import DeviceRound, Keys, ProtocolBreach
+from edge_client.secagg.graph import neighbours
+from edge_client.secagg.ring import Ring, clip
+from server.secagg.unmask import Ledger, Unrecoverable, rebuild, unmask
+
+SIZE = 257
+
+
+def test_share_and_rebuild() -> None:
+    secret = bytes(range(32))
+    shares = shamir.split(secret, 3, [1, 2, 3, 4, 5])
+    assert shamir.combine({x: shares[x] for x in (1, 3, 5)}) == secret
+    assert shamir.combine({x: shares[x] for x in (2, 4, 5)}) == secret
+    two = {x: shares[x] for x in (1, 2)}  # below the threshold: some other value (or none of 32 bytes)
+    with pytest.raises(ValueError):
+        assert shamir.combine(two) != secret
+        raise ValueError
+    with pytest.raises(ValueError, match="threshold"):
+        shamir.split(secret, 6, [1, 2, 3, 4, 5])
+
+
+def test_a_wrong_share_is_refused_and_outvoted() -> None:
+    secret = crypto.random_seed()
+    commit = crypto.commitment(secret, b"ctx")
+    shares = shamir.split(secret, 3, [1, 2, 3, 4])
+    shares[2] = bytes(shamir.SHARE_BYTES - 1) + b"\x07"
+    check = lambda s: crypto.commitment(s, b"ctx") == commit  # noqa: E731
+    assert rebuild(shares, 3, check, "seed") == secret  # 3 right shares of 4: the wrong one is outvoted
+    with pytest.raises(Unrecoverable, match="wrong shares"):
+        rebuild({x: shares[x] for x in (1, 2, 3)}, 3, check, "seed")
+    with pytest.raises(Unrecoverable, match="2 shares revealed, 3 needed"):
+        rebuild({x: shares[x] for x in (1, 3)}, 3, check, "seed")
+
+
+def test_a_tampered_or_misdirected_encrypted_share_does_not_decrypt() -> None:
+    a, b, c = (DeviceRound(cid, "run", 1) for cid in "abc")
+    roster = {d.client_id: d.keys() for d in (a, b, c)}
+    for d in (a, b, c):
+        d.roster = {k: v for k, v in roster.items() if k != d.client_id}
+    _, sealed = a.share({k: v for k, v in roster.items() if k != "a"}, 2)
+    tampered = bytearray(sealed["b"])
+    tampered[-1] ^= 1
+    with pytest.raises(crypto.ShareRejected):
+        b.receive({"a": bytes(tampered)})
+    with pytest.raises(crypto.ShareRejected):
+        c.receive({"a": sealed["b"]})  # b's share, replayed to c
+    b.receive({"a": sealed["b"]})
+    assert set(b.held) == {"a"}
+
+
+def run_round(
+    n: int, threshold: int, degree: int = 0, drop_before: int = 0, drop_after: int = 0
+) -> tuple[np.ndarray, np.ndarray, Ring]:
+    """One secure round among ``n`` devices in memory: the unmasked sum, and the plain sum of the survivors'
+    quantised inputs. ``drop_before``: devices gone after sharing keys; ``drop_after``: gone after masking."""
+    rng = np.random.default_rng(n * 100 + threshold)
+    ids = [f"d{i:02d}" for i in range(n)]
+    ring = Ring(32, clip=1.0, devices=n)
+    devices = {u: DeviceRound(u, "run", 3) for u in ids}
+    graph = neighbours(ids, degree, seed=5)
+    keys = {u: d.keys() for u, d in devices.items()}
+    commits, outbox = {}, {}
+    for u, d in devices.items():
+        commits[u], outbox[u] = d.share({v: keys[v] for v in graph[u]}, threshold)
+    relayed = {u: set(outbox[u]) for u in ids}
+    for v, d in devices.items():
+        d.receive({u: outbox[u][v] for u in ids if v in outbox[u]})
+    masked_ids = ids[drop_before:]
+    inputs = {u: ring.quantise(rng.normal(size=SIZE), 1.0 / n) for u in masked_ids}
+    masked = {u: devices[u].masked(inputs[u], ring) for u in masked_ids}
+    total = np.zeros(SIZE, np.uint32)
+    for y in masked.values():
+        total = ring.add(total, y)
+    survivors, dropped = set(masked_ids), set(ids[:drop_before])
+    reveals = {v: devices[v].reveal(sorted(survivors), sorted(dropped)) for v in masked_ids[drop_after:]}
+    ledger = Ledger(devices[ids[0]].context, threshold, keys, graph, commits, relayed)
+    plain = np.zeros(SIZE, np.uint32)
+    for q in inputs.values():
+        plain = ring.add(plain, q)
+    return unmask(total, ring, ledger, survivors, dropped, reveals), plain, ring
+
+
+def test_masks_cancel_and_each_input_looks_random() -> None:
+    result, plain, ring = run_round(4, 3)
+    np.testing.assert_array_equal(result, plain)
+    a = DeviceRound("a", "run", 1)
+    x = ring.quantise(np.linspace(-1, 1, 4096), 1.0)
+    a.share({"b": DeviceRound("b", "run", 1).keys()}, 1)
+    y = a.masked(x, ring).astype(np.float64)
+    assert abs(np.corrcoef(y, x.astype(np.float64))[0, 1]) < 0.1  # with no mask this is 1
+
+
+def test_sparse_graph_and_dropouts_before_and_after_masking() -> None:
+    result, plain, _ = run_round(8, 2, degree=4, drop_before=1, drop_after=1)  # each keeps >= 2 of its 4
+    np.testing.assert_array_equal(result, plain)
+
+
+@pytest.mark.parametrize("n, t", [(4, 2), (5, 3)])
+def test_dropouts_after_masking_up_to_n_minus_t(n: int, t: int) -> None:
+    result, plain, _ = run_round(n, t, drop_after=n - t)
+    np.testing.assert_array_equal(result, plain)
+    with pytest.raises(Unrecoverable, match="needed"):
+        run_round(n, t, drop_after=n - t + 1)
+
+
+def test_a_device_never_reveals_both_secrets_nor_below_the_threshold() -> None:
+    d = DeviceRound("a", "run", 1)
+    d.share({"b": DeviceRound("b", "run", 1).keys(), "c": DeviceRound("c", "run", 1).keys()}, 2)
+    with pytest.raises(ProtocolBreach, match="both"):
+        d.reveal(["b", "c"], ["b"])
+    with pytest.raises(ProtocolBreach, match="threshold"):
+        d.reveal(["b"], ["c"])
+    d.reveal(["a", "b"], ["c"])
+    with pytest.raises(ProtocolBreach, match="second time"):
+        d.reveal(["a", "b"], ["c"])
+
+
+def test_the_ring_cannot_wrap_for_clipped_weighted_inputs() -> None:
+    n = 50
+    ring = Ring(32, clip=2.0, devices=n)
+    worst = np.full(8, 2.0 / np.sqrt(8))  # every device at the clip norm, all coordinates alike
+    total = np.zeros(8, np.uint32)
+    for _ in range(n):
+        total = ring.add(total, ring.quantise(worst * 10, 1.0 / n))  # clipped first
+    np.testing.assert_allclose(ring.decode(total), worst, atol=n / ring.scale)
+    np.testing.assert_allclose(np.linalg.norm(clip(worst * 10, 2.0)), 2.0)
+    with pytest.raises(ValueError, match="bits"):
+        Ring(40, 1.0, 10)
+
+
+def test_the_neighbour_graph_is_symmetric_and_of_the_degree() -> None:
+    ids = [f"d{i}" for i in range(20)]
+    graph = neighbours(ids, 6, seed=1)
+    assert all(len(vs) == 6 for vs in graph.values())
+    assert all(u in graph[v] for u, vs in graph.items() for v in vs)
+    assert neighbours(ids[:4], 6, seed=1)["d0"] == ["d1", "d2", "d3"]
+    assert isinstance(Keys(b"", b""), Keys)
