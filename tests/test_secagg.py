@@ -144,3 +144,31 @@ def test_the_neighbour_graph_is_symmetric_and_of_the_degree() -> None:
     assert all(u in graph[v] for u, vs in graph.items() for v in vs)
     assert neighbours(ids[:4], 6, seed=1)["d0"] == ["d1", "d2", "d3"]
     assert isinstance(Keys(b"", b""), Keys)
+
+
+# ------------------------------------------------------------------------------------------------- the messages
+def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
+    from edge_client import messages as M
+    from edge_client.protocol import InvalidField, decode, encode
+    from edge_client.secagg.wire import SEALED_BYTES
+
+    a, b = DeviceRound("a", "run", 2), DeviceRound("b", "run", 2)
+    roster = M.SecAggRoster(2, 2, [["b", b.keys().enc, b.keys().mask]], "run")
+    assert decode(encode(roster)) == roster
+    commit, sealed = a.share({"b": b.keys()}, 2)
+    shares = M.SecAggShares(2, "a", commit, [[v, s] for v, s in sealed.items()], "run")
+    assert decode(encode(shares)) == shares and len(sealed["b"]) == SEALED_BYTES
+    masked = M.MaskedInput(2, 1, "a", 5, 0.1, 0.1, 0.3, np.arange(7, dtype="<u4").tobytes(), run_id="run")
+    assert bytes(decode(encode(masked)).data) == np.arange(7, dtype="<u4").tobytes()
+    terms = {"weight": 0.5, "clip": 1.0, "bits": 32, "devices": 4}
+    secure = M.SCHEMAS["assignment"].fields["secure"][1].check
+    assert secure.ok(terms) and secure.ok({})
+    assert not any(secure.ok({**terms, k: v}) for k, v in [("weight", 1.5), ("bits", 64), ("clip", 0), ("x", 1)])
+    for bad in (
+        M.SecAggShares(2, "a", commit, [["b", sealed["b"][:-1]]], "run"),  # a sealed pair one byte short
+        M.SecAggShares(2, "a", commit, [["b", sealed["b"]], ["b", sealed["b"]]], "run"),  # one holder twice
+        M.SecAggKeys(2, "a", b"k" * 31, b"k" * 32, "run"),
+        M.SecAggReveal(2, "a", [["b", 1, bytes(66)]], "run"),  # an int is not a bool
+    ):
+        with pytest.raises(InvalidField):
+            encode(bad)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_client.secagg.wire import KEY_BYTES, NONCE_BYTES
+
 try:
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives import hashes
@@ -24,9 +26,6 @@ except ImportError as exc:  # the optional extra: say how to get it
         "secure aggregation needs the 'cryptography' package: pip install 'edgefl[secure]' "
         "(wheels exist for x86_64 and aarch64, e.g. a Raspberry Pi 4 on 64-bit Raspberry Pi OS)"
     ) from exc
-
-KEY_BYTES = 32
-NONCE_BYTES = 12
 
 
 class ShareRejected(ValueError):
