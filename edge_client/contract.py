@@ -149,6 +149,21 @@ def weighting(default: str) -> Setting:
     )  # fmt: skip
 
 
+NEEDS = ("mean", "sums", "per_device")  # Contract.needs
+
+
+def secure_refusal(contract: Contract) -> str:
+    """Why secure aggregation cannot carry ``contract``'s algorithm ("" when it can)."""
+    if contract.needs == "mean":
+        return ""
+    if contract.needs == "sums":
+        return (
+            f"{contract.name} needs only sums, but of more than the delta ({contract.needs_why}); this version's "
+            "secure aggregation carries the delta alone"
+        )
+    return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
+
+
 @dataclass(frozen=True)
 class Contract:
     """Everything an algorithm's server and device halves exchange, with its bounds.
@@ -156,7 +171,10 @@ class Contract:
     ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
     normalises each update by the steps its client took, so clients may be told different step counts.
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
-    them but never raise them.
+    them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
+    secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
+    ``sums`` (only weighted sums, of more than the delta: not carried by this version) or ``per_device`` (values of
+    one device apart); ``needs_why`` says which values for the last two.
     """
 
     name: str
@@ -169,6 +187,8 @@ class Contract:
     uses_alpha: bool = False
     unequal_steps: bool = False
     adaptive_steps: bool = False
+    needs: str = "mean"
+    needs_why: str = ""
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +197,8 @@ class Contract:
                     low=0.0, low_open=True, inf_disables=True)
             for a in self.returns
         )  # fmt: skip
+        if self.needs not in NEEDS or (self.needs != "mean") != bool(self.needs_why):
+            raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not 'mean'")
         settings = self.settings + bounds
         names = [s.name for s in settings] + [v.name for v in self.sends_values]
         if len(set(names)) != len(names):

@@ -15,6 +15,7 @@
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
+[privacy]    secure_aggregation, threshold, neighbours, clip_norm, quantisation_bits, stage_deadline_s
 ```
 
 Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose
@@ -35,7 +36,7 @@ from typing import Any
 import tomllib
 
 from edge_client import codecs
-from edge_client.algorithms import contract_of
+from edge_client.algorithms import CONTRACTS, contract_of
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -158,6 +159,20 @@ class BrokerSection:
 
 
 @dataclass
+class PrivacySection:
+    """Secure aggregation (docs/secure-aggregation.md): the server learns the sum of a round's updates alone."""
+
+    secure_aggregation: bool = False
+    # the shares that rebuild a device's secrets: a fraction in (0, 1] of its holders (its neighbours and itself,
+    # rounded up, at least 2), or a count >= 2; up to holders - threshold devices may drop after masking
+    threshold: float = 0.6
+    neighbours: int = 0  # SecAgg+'s graph degree (even); 0: every other device of the round (the original SecAgg)
+    clip_norm: float = 0.0  # the L2 norm each device clips its update to (> 0 with secure aggregation)
+    quantisation_bits: int = 32  # the ring's: integers modulo 2^bits (16-32)
+    stage_deadline_s: float = 30.0  # the longest each stage but the training one waits (keys, masking, unmasking)
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     clients: ClientsSection = field(default_factory=ClientsSection)
@@ -166,6 +181,7 @@ class RunConfig:
     broker: BrokerSection = field(default_factory=BrokerSection)
     fleet: FleetSection = field(default_factory=FleetSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
     model: dict[str, Any] = field(default_factory=dict)
     task: dict[str, Any] = field(default_factory=dict)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -267,7 +283,45 @@ class RunConfig:
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
         self._validate_fleet()
+        self._validate_privacy()
         return self
+
+    def _validate_privacy(self) -> None:
+        from edge_client.contract import secure_refusal
+        from edge_client.secagg.wire import MAX_NEIGHBOURS, RING_BITS
+
+        p = self.privacy
+        if not p.secure_aggregation:
+            return
+        t = p.threshold
+        checks = [
+            ("privacy.clip_norm", p.clip_norm > 0, "a number > 0 with secure aggregation (each device clips to it)"),
+            (
+                "privacy.threshold",
+                0 < t <= 1 or (t >= 2 and t == int(t)),
+                "a fraction in (0, 1] of each device's share holders, or a whole count >= 2",
+            ),
+            (
+                "privacy.neighbours",
+                p.neighbours == 0 or (2 <= p.neighbours <= MAX_NEIGHBOURS and p.neighbours % 2 == 0),
+                f"0 (every other device) or an even degree in [2, {MAX_NEIGHBOURS}]",
+            ),
+            (
+                "privacy.quantisation_bits",
+                RING_BITS[0] <= p.quantisation_bits <= RING_BITS[1],
+                f"an integer in [{RING_BITS[0]}, {RING_BITS[1]}]",
+            ),
+            ("privacy.stage_deadline_s", p.stage_deadline_s > 0, "seconds > 0"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"{key} must be {expected}; got {getattr(p, key.split('.')[1])!r}")
+        why = secure_refusal(contract_of(self.train.algorithm))
+        if why:
+            raise ConfigError(
+                f"privacy.secure_aggregation = true with train.algorithm = {self.train.algorithm!r}: {why}; use "
+                f"{', '.join(n for n, c in CONTRACTS.items() if not secure_refusal(c))}, or turn secure aggregation off"
+            )
 
     def _validate_finite(self) -> None:
         """Every float of every section is finite, unless its field says what ``inf`` means (nan never is)."""

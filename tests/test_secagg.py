@@ -172,3 +172,20 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
     ):
         with pytest.raises(InvalidField):
             encode(bad)
+
+
+# ------------------------------------------------------------------------------------------- config and contracts
+def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_device_values() -> None:
+    from edge_client.algorithms import CONTRACTS
+    from server.config import ConfigError, from_dict
+
+    on = {"secure_aggregation": True, "clip_norm": 5.0}
+    assert from_dict({"privacy": on}).privacy.secure_aggregation
+    assert {n for n, c in CONTRACTS.items() if c.needs == "mean"} == {"fedavg", "fedprox", "fedacg", "fedumf"}
+    for algorithm, why in [("taco", "per-device values"), ("foolsgold", "per-device"), ("scaffold", "only sums")]:
+        with pytest.raises(ConfigError, match=f"privacy.secure_aggregation.*{algorithm}.*{why}.*use fedavg"):
+            from_dict({"privacy": on, "train": {"algorithm": algorithm}})
+    for key, value in [("clip_norm", 0.0), ("threshold", 2.5), ("neighbours", 3), ("quantisation_bits", 64)]:
+        with pytest.raises(ConfigError, match=f"privacy.{key} must be"):
+            from_dict({"privacy": {**on, key: value}})
+    assert from_dict({"train": {"algorithm": "taco"}}).privacy.secure_aggregation is False  # off: no refusal

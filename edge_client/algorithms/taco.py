@@ -80,6 +80,8 @@ CONTRACT = Contract(
     sends=(Array("global_delta", "w_{t-1} - w_t, the last global step, for clients that cannot derive it",
                  required=False, scope="global"),),
     uses_alpha=True,
+    needs="per_device",
+    needs_why="each device's alpha_i from its own update, and freeloader expulsion",
 )  # fmt: skip
 
 
@@ -96,8 +98,9 @@ def tailored_contract(base: Contract, description: str) -> Contract:
     server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
     settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
     return dataclasses.replace(
-        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True
-    )
+        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True,
+        needs="per_device", needs_why="each device's alpha_i from its own update",
+    )  # fmt: skip
 
 
 def tailored(coefficient: float, ctx: LocalContext) -> float:
