@@ -41,6 +41,9 @@ from edge_client.messages import (
     Presence,
     Refusal,
     Resync,
+    SecAggRelay,
+    SecAggRoster,
+    SecAggUnmask,
     Stop,
     Update,
 )
@@ -136,6 +139,7 @@ class EdgeClient:
         self.models = ModelCache()
         self.model_wait_s = model_wait_s
         self._waiting: Waiting | None = None
+        self._secure: Any = None  # edge_client.secagg.client.SecureClient, once a round is secure (needs the extra)
         subscriptions = [
             self.topics.down(self.client_id),
             self.topics.broadcast,
@@ -254,6 +258,8 @@ class EdgeClient:
             self._serve(msg)
         elif isinstance(msg, Evaluate):
             self._evaluate(msg)
+        elif isinstance(msg, (SecAggRoster, SecAggRelay, SecAggUnmask)) and self._secure is not None:
+            self._secure.handle(msg)
         if waited is not None and self.session.admit(waited):
             self._serve(waited)
         return True
@@ -388,6 +394,20 @@ class EdgeClient:
         np.savez(tmp, **state)
         os.replace(tmp, path)
 
+    def _start_secure(self, a: Assignment) -> bool:
+        """Advertise this round's keys before training; False (reported) when this device cannot aggregate securely
+        (the ``secure`` extra is not installed)."""
+        if self._secure is None:
+            try:
+                from edge_client.secagg.client import SecureClient
+            except ImportError as exc:
+                self._fail(a.round, a.run_id, "secure_unavailable", exc, a.deadline_s)
+                return False
+            publish = lambda msg: self.link.publish(self.topics.up(self.client_id), encode(msg))  # noqa: E731
+            self._secure = SecureClient(self.client_id, publish, self._fail)
+        self._secure.start(a)
+        return True
+
     def _serve(self, assignment: Assignment) -> None:
         run, served, msg_id = self.served
         stale = assignment.round < served - 1 or (assignment.round == served and assignment.msg_id == msg_id)
@@ -412,6 +432,8 @@ class EdgeClient:
             plan = plan_for(assignment, algorithm, model.size)
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
             self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
+            return
+        if assignment.secure and assignment.upload and not self._start_secure(assignment):
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
@@ -441,6 +463,24 @@ class EdgeClient:
             )
             return
 
+        metrics = {
+            "threads": self.threads,
+            "before": before,
+            "after": after,
+            "round": device.summarise(before, after),
+            "bytes_down": bytes_down,
+            "last_upload": self._last_upload,
+        }
+        if assignment.secure:  # no update: its masked input goes once the stages come (edge_client.secagg.client)
+            self._save_state(assignment.algorithm, algorithm)
+            scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
+                       "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
+            self._secure.trained(result.delta, scalars)
+            self._mark_served(assignment)
+            self.rounds_done += 1
+            log.info("round %d: %d steps in %.3f s, loss %.4f; aggregated securely", assignment.round,
+                     result.local_steps, result.compute_s, result.train_loss)  # fmt: skip
+            return
         t0 = time.perf_counter()
         try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved
             delta, arrays = self.uplink.encode(assignment, algorithm, result.delta, result.arrays)
@@ -464,14 +504,7 @@ class EdgeClient:
             overhead_s=result.overhead_s,
             train_loss=result.train_loss,
             delta=delta,
-            metrics={
-                "threads": self.threads,
-                "before": before,
-                "after": after,
-                "round": device.summarise(before, after),
-                "bytes_down": bytes_down,
-                "last_upload": self._last_upload,
-            },
+            metrics=metrics,
             extras=result.extras,
             arrays=arrays,
             run_id=assignment.run_id,

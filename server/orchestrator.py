@@ -93,6 +93,7 @@ from server.live_state import LiveState
 from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.rate_limits import RateLimited, RateLimits
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
+from server.secagg import FROM_DEVICES as SECURE_MESSAGES
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Round, assignment_summary
@@ -220,6 +221,11 @@ class Orchestrator:
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
         self.limits = RateLimits()  # per device and control message kind (server.rate_limits)
         self.link.on_refused(self._refused)
+        self.secure = None  # [privacy] secure_aggregation: the round's stages in place of updates (server.secagg)
+        if config.privacy.secure_aggregation:
+            from server.secagg.stages import SecureRounds  # needs the cryptography package
+
+            self.secure = SecureRounds(config.privacy, self.link, self.topics, self.num_params, self.times.arrived)
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
@@ -293,6 +299,8 @@ class Orchestrator:
                 self.federated.check(sender, msg, record.eval_samples if record else 0, self.run_id)
             elif isinstance(msg, Resync):
                 self._resync(sender, msg)
+            elif self.secure is not None and isinstance(msg, SECURE_MESSAGES):
+                self.secure.take(sender, msg)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
@@ -494,6 +502,12 @@ class Orchestrator:
         self.limits.new_round()
         self.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
         self.times.round_started()
+        secure = {}
+        if self.secure is not None:  # each selected device's secure terms (its weight, the clip norm, the ring)
+            registered = {c: self.clients[c].num_samples for c in selected}
+            weighting = self.strategy.params.get("weighting", "samples")
+            secure = self.secure.begin(round_, self.run_id, version, registered, weighting,
+                                       self.config.clients.max_weight_share)  # fmt: skip
         assignments = {}
         for cid, a in planned.items():
             state.codecs[cid] = self.codecs.codec_for(cid)
@@ -510,6 +524,7 @@ class Orchestrator:
                 run_id=self.run_id,
                 codec=str(state.codecs[cid]),
                 task=self.config.task,
+                secure=secure.get(cid, {}),
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
@@ -521,7 +536,15 @@ class Orchestrator:
             told[cid] = {**assignment_summary(assignments[cid]), **self.codecs.describe(cid), "bytes_down": size}
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
-    def _collect(self, state: RoundState) -> None:
+    def _collect(self, state: RoundState) -> dict[str, Any]:
+        """Wait for the round's updates; a secure round's stages instead (its ``secure`` row, and ``dropped``)."""
+        if self.secure is not None:
+            outcome = self.secure.collect(state, self._pump, self._is_online)
+            assert self.folding is not None
+            for cid, update in outcome.updates.items():  # the unmasked mean, with each survivor's own scalars
+                state.received[cid] = self.strategy.fold(self.folding, update)
+                state.bytes_up[cid] = outcome.bytes_up.get(cid, 0)
+            return {"secure": outcome.row, **({"dropped": outcome.dropped} if outcome.dropped else {})}
         deadline = time.monotonic() + state.deadline_s
         while True:
             waiting = [
@@ -534,6 +557,7 @@ class Orchestrator:
         for cid in sorted(state.selected - set(state.received) - set(state.failed)):
             why = "went offline" if not self._is_online(cid) else f"missed the {state.deadline_s:.1f} s deadline"
             log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
+        return {}
 
     def run(self) -> dict[str, Any]:
         """Train for the configured rounds (or until the target, if asked) and write the run's outputs."""
@@ -577,6 +601,7 @@ class Orchestrator:
         )
         rejected = sum((Counter(r["rejected"]) for r in metrics.rows), Counter()) + self.unreported_rejections
         classes = {cid: device_class(record.device) for cid, record in self.clients.items()}
+        secured = {"secure_rounds": sum(1 for r in metrics.rows if "secure" in r and not r.get("dropped"))}
         summary = summarize(
             metrics.rows,
             self.target,
@@ -586,6 +611,7 @@ class Orchestrator:
             clients=len(self.clients),
             rejected=dict(rejected),
             dropped_rounds=[r["round"] for r in metrics.rows if r.get("dropped")],
+            **(secured if self.secure is not None else {}),  # the rounds aggregated securely
             excluded=sorted(self.strategy.excluded()),
             **self.summary_extra,
             per_client=client_summary(metrics.rows),
@@ -667,7 +693,7 @@ class Orchestrator:
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
             registered = {c: self.clients[c].num_samples for c in state.selected}
             self.folding.sample_weights = capped_counts(registered, self.config.clients.max_weight_share)
-            self._collect(state)
+            secure = self._collect(state)
             self.admission.close(state)
             self.current, folding, self.folding = None, self.folding, None
             updates = [state.received[c] for c in sorted(state.received)]  # without their vectors
@@ -702,6 +728,7 @@ class Orchestrator:
                 "excluded": sorted(self.strategy.excluded()),
                 "algorithm": self.strategy.round_metrics(),
             }
+            row.update(secure)
             if dropped:
                 row["dropped"] = dropped
             rejected_before = Counter(self.link.rejections)  # the devices' evaluation counts in the next row

@@ -270,12 +270,14 @@ def make_config(
     partition: str = "iid",
     dataset: str = "digits",
     model: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
     return from_dict(
         {
             **({"model": model} if model else {}),
+            **({"privacy": privacy} if privacy else {}),
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             # register_timeout_s is a ceiling: a loaded machine takes over a minute to start 20 client processes
             "clients": {"count": clients, "register_timeout_s": 180.0, **clients_section},

@@ -3,6 +3,8 @@ cancelling in the sum, a wrong share refused, dropouts recovered up to n - t and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -189,3 +191,50 @@ def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_d
         with pytest.raises(ConfigError, match=f"privacy.{key} must be"):
             from_dict({"privacy": {**on, key: value}})
     assert from_dict({"train": {"algorithm": "taco"}}).privacy.secure_aggregation is False  # off: no refusal
+
+
+# ------------------------------------------------------------------------------------------------- whole rounds
+def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real runtime and server over the in-process bus: each device's delta as trained (recorded by its training
+    function), the ring sum the server unmasked (recorded as ``unmask`` returns it) and the model step it took."""
+    from conftest import make_config
+
+    import server.experiments.inprocess as inprocess
+    import server.secagg.stages as stages
+    from edge_client.trainer import train_local
+    from server.experiments.datasets import load_dataset
+    from server.experiments.simulate import client_ids, prepare_shards
+
+    deltas: dict[int, dict[str, np.ndarray]] = {}
+    sums: list[np.ndarray] = []
+
+    def recording(role: str, cid: str):
+        def train(*args):
+            result = train_local(*args)
+            deltas.setdefault(args[4].round, {})[cid] = result.delta.copy()
+            return result
+
+        return train
+
+    def unmasked(*args, **kwargs):
+        sums.append(unmask(*args, **kwargs))
+        return sums[-1]
+
+    monkeypatch.setattr(inprocess, "behaviour", recording)
+    monkeypatch.setattr(stages, "unmask", unmasked)
+    privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2}
+    config = make_config(tmp_path, "secagg-inproc", 3, 2, train={"local_steps": 5}, privacy=privacy)
+    bundle = load_dataset("digits", seed=0)
+    shards, _ = prepare_shards(bundle, client_ids(3), "iid", 0, tmp_path / "shards")
+    summary = inprocess.run_inprocess(config, shards, bundle, tmp_path / "out")
+    assert summary["secure_rounds"] == 2 and summary["dropped_rounds"] == []
+    ring = Ring(32, 2.0, 3)
+    for round_, total in enumerate(sums, start=1):
+        expected = np.zeros_like(total)
+        for delta in deltas[round_].values():  # FedAvg weighs uniformly: each device 1/3
+            expected = ring.add(expected, ring.quantise(delta, 1 / 3))
+        np.testing.assert_array_equal(total, expected)  # exactly, in the ring
+        plain = sum(clip(d, 2.0) / 3 for d in deltas[round_].values())
+        np.testing.assert_allclose(ring.decode(total), plain, atol=3 / ring.scale)  # within the rounding

@@ -1,2 +1,10 @@
 """The server half of secure aggregation: the round's stages over MQTT (``stages``) and the unmasking of the sum
-(``unmask``). The protocol itself, shared with devices, is ``edge_client.secagg``."""
+(``unmask``). The protocol itself, shared with devices, is ``edge_client.secagg``; the ``cryptography`` package is
+imported only when a run turns secure aggregation on."""
+
+from __future__ import annotations
+
+from edge_client.messages import MaskedInput, SecAggKeys, SecAggReveal, SecAggShares
+
+#: What a device sends in a secure round's stages (``SecureRounds.take`` checks it).
+FROM_DEVICES = (SecAggKeys, SecAggShares, MaskedInput, SecAggReveal)
