@@ -94,6 +94,7 @@ from server.onnx_export import BackgroundExporter, export_onnx, read_sidecar
 from server.rate_limits import RateLimited, RateLimits
 from server.report import MetricsLog, client_summary, plot_report, summarize, write_summary
 from server.secagg import FROM_DEVICES as SECURE_MESSAGES
+from server.secagg import StageRefused
 from server.steps_policy import StepsPolicy
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.base import Round, assignment_summary
@@ -395,6 +396,8 @@ class Orchestrator:
         try:
             if record is None and sender in self.clients:
                 raise OutOfRound(f"{sender} was refused at registration ({self.clients[sender].refused}) this round")
+            if self.secure is not None:  # a plain update would bypass the masking: it never reaches the strategy
+                raise StageRefused(f"{sender} sent a plain update to a run with secure aggregation")
             registered = record.num_samples if record else None
             norm = self.admission.check(sender, update, state, registered, self.run_id)
         except ProtocolError as exc:

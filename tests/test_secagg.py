@@ -307,3 +307,54 @@ def test_secure_rounds_over_mosquitto_with_real_devices(
     assert len(inputs) == 3
     for y in inputs:  # without the masks each input is a third of the step, nearly: correlation far above 0.5
         assert abs(np.corrcoef(y, step)[0, 1]) < 0.1
+
+
+def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> None:
+    from edge_client import messages as M
+    from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
+    from edge_client.topics import Topics
+    from server.config import PrivacySection
+    from server.secagg import StageRefused
+    from server.secagg.stages import SecureRounds
+
+    class Link:  # what the stages use of a link: publish, and the bytes that came in
+        def publish(self, topic: str, payload: bytes, **_: Any) -> int:
+            return len(payload)
+
+        def take_bytes_in(self, topic: str) -> int:
+            return 0
+
+    rounds = SecureRounds(PrivacySection(True, 2, 0, 1.0), Link(), Topics("t"), 8, lambda cid: None)  # type: ignore[arg-type]
+    terms = rounds.begin(1, "run", 0, {"a": 10, "b": 10, "c": 20}, "samples", 1.0)
+    assert [terms[c]["weight"] for c in "abc"] == [0.25, 0.25, 0.5]
+    devices = {c: DeviceRound(c, "run", 1) for c in "abc"}
+    keys = {c: d.keys() for c, d in devices.items()}
+    for c in "ab":
+        rounds.take(c, M.SecAggKeys(1, c, keys[c].enc, keys[c].mask, "run"))
+    for sender, msg, refused in [
+        ("a", M.SecAggKeys(1, "a", keys["a"].enc, keys["a"].mask, "run"), DuplicateMessage),
+        ("c", M.SecAggKeys(1, "c", keys["b"].enc, keys["c"].mask, "run"), StageRefused),  # b's key again
+        ("c", M.SecAggKeys(2, "c", keys["c"].enc, keys["c"].mask, "run"), OutOfRound),  # another round
+        ("c", M.SecAggKeys(1, "a", keys["c"].enc, keys["c"].mask, "run"), InvalidField),  # another id
+        ("c", M.SecAggShares(1, "c", "0" * 64, [], "run"), OutOfRound),  # the keys stage is on
+    ]:
+        with pytest.raises(refused):
+            rounds.take(sender, msg)
+    rounds.take("c", M.SecAggKeys(1, "c", keys["c"].enc, keys["c"].mask, "run"))
+    r = rounds.current
+    assert r is not None
+    rounds._send_rosters(r)
+    r.stage = "shares"
+    commit, sealed = devices["a"].share({v: keys[v] for v in r.graph["a"]}, r.threshold)
+    with pytest.raises(StageRefused, match="neighbours"):
+        rounds.take("a", M.SecAggShares(1, "a", commit, [["b", sealed["b"]]], "run"))  # c's share missing
+    rounds.take("a", M.SecAggShares(1, "a", commit, [[v, s] for v, s in sealed.items()], "run"))
+    r.stage = "masked"
+    with pytest.raises(StageRefused, match="12 bytes, expected 32"):
+        rounds.take("a", M.MaskedInput(1, 0, "a", 1, 0.0, 0.0, 0.0, bytes(12), run_id="run"))
+    with pytest.raises(OutOfRound, match="sharing"):
+        rounds.take("b", M.MaskedInput(1, 0, "b", 1, 0.0, 0.0, 0.0, bytes(32), run_id="run"))  # b never shared
+    rounds.take("a", M.MaskedInput(1, 0, "a", 1, 0.0, 0.0, 0.0, bytes(32), run_id="run"))
+    r.asked["a"], r.stage = ({"a"}, {"b"}), "unmask"
+    with pytest.raises(StageRefused, match="not asked"):
+        rounds.take("a", M.SecAggReveal(1, "a", [["c", True, bytes(66)]], "run"))

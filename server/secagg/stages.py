@@ -48,18 +48,13 @@ from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.admission import RoundState
 from server.config import PrivacySection
+from server.secagg import StageRefused
 from server.secagg.unmask import Ledger, Unrecoverable, unmask
 from server.weight_share import capped_counts
 
 log = logging.getLogger("edgefl.server")
 
 STAGES = ("keys", "shares", "masked", "unmask")
-
-
-class StageRefused(InvalidField):
-    """A secure-aggregation message whose content does not fit what its stage asked of its sender."""
-
-    reason = "secagg_message"
 
 
 @dataclass
