@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -55,6 +55,9 @@ from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
+
+if TYPE_CHECKING:  # imported when a round is secure: it needs the optional cryptography package
+    from edge_client.secagg.client import SecureClient
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class EdgeClient:
         self.models = ModelCache()
         self.model_wait_s = model_wait_s
         self._waiting: Waiting | None = None
-        self._secure: Any = None  # edge_client.secagg.client.SecureClient, once a round is secure (needs the extra)
+        self._secure: SecureClient | None = None  # once a round is secure (it needs the `secure` extra)
         subscriptions = [
             self.topics.down(self.client_id),
             self.topics.broadcast,
@@ -471,7 +474,7 @@ class EdgeClient:
             "bytes_down": bytes_down,
             "last_upload": self._last_upload,
         }
-        if assignment.secure:  # no update: its masked input goes once the stages come (edge_client.secagg.client)
+        if self._secure is not None and assignment.secure:  # no update: the masked input goes in the stages
             self._save_state(assignment.algorithm, algorithm)
             scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
                        "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip

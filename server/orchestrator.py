@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -101,6 +101,9 @@ from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
 from server.timeline import plot_timeline
 from server.weight_share import capped_counts
+
+if TYPE_CHECKING:  # imported when a run turns secure aggregation on: it needs the cryptography package
+    from server.secagg.stages import SecureRounds
 
 log = logging.getLogger("edgefl.server")
 PRESENCE_REPLY_S = 10.0  # the least time between two presences sent to one device that registers without its model
@@ -222,7 +225,7 @@ class Orchestrator:
         self.delivery = Delivery(self.link, self.topics)  # acks, repeated answers, assignments sent again
         self.limits = RateLimits()  # per device and control message kind (server.rate_limits)
         self.link.on_refused(self._refused)
-        self.secure = None  # [privacy] secure_aggregation: the round's stages in place of updates (server.secagg)
+        self.secure: SecureRounds | None = None  # [privacy] secure_aggregation: the stages in place of updates
         if config.privacy.secure_aggregation:
             from server.secagg.stages import SecureRounds  # needs the cryptography package
 
