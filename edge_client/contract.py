@@ -149,17 +149,18 @@ def weighting(default: str) -> Setting:
     )  # fmt: skip
 
 
-NEEDS = ("mean", "sums", "per_device")  # Contract.needs
+NEEDS = ("mean", "mean_per_step", "sums", "per_device")  # Contract.needs
+CARRIED = ("mean", "mean_per_step")  # what secure aggregation carries
 
 
 def secure_refusal(contract: Contract) -> str:
     """Why secure aggregation cannot carry ``contract``'s algorithm ("" when it can)."""
-    if contract.needs == "mean":
+    if contract.needs in CARRIED:
         return ""
     if contract.needs == "sums":
         return (
-            f"{contract.name} needs only sums, but of more than the delta ({contract.needs_why}); this version's "
-            "secure aggregation carries the delta alone"
+            f"{contract.name} needs only sums, but of more than one vector ({contract.needs_why}); this version's "
+            "secure aggregation masks the delta alone"
         )
     return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
 
@@ -173,8 +174,9 @@ class Contract:
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
     them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
     secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
-    ``sums`` (only weighted sums, of more than the delta: not carried by this version) or ``per_device`` (values of
-    one device apart); ``needs_why`` says which values for the last two.
+    ``mean_per_step`` (only the weighted mean of each delta divided by its steps, and the steps: carried, each device
+    divides before masking), ``sums`` (only weighted sums, of more than that: not carried by this version) or
+    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two.
     """
 
     name: str
@@ -197,8 +199,8 @@ class Contract:
                     low=0.0, low_open=True, inf_disables=True)
             for a in self.returns
         )  # fmt: skip
-        if self.needs not in NEEDS or (self.needs != "mean") != bool(self.needs_why):
-            raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not 'mean'")
+        if self.needs not in NEEDS or (self.needs in CARRIED) == bool(self.needs_why):
+            raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not {CARRIED}")
         settings = self.settings + bounds
         names = [s.name for s in settings] + [v.name for v in self.sends_values]
         if len(set(names)) != len(names):

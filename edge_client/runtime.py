@@ -478,7 +478,7 @@ class EdgeClient:
             self._save_state(assignment.algorithm, algorithm)
             scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
                        "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
-            self._secure.trained(result.delta, scalars)
+            self._secure.trained(result.delta, scalars, algorithm.contract.needs == "mean_per_step")
             self._mark_served(assignment)
             self.rounds_done += 1
             log.info("round %d: %d steps in %.3f s, loss %.4f; aggregated securely", assignment.round,

@@ -229,7 +229,10 @@ class Orchestrator:
         if config.privacy.secure_aggregation:
             from server.secagg.stages import SecureRounds  # needs the cryptography package
 
-            self.secure = SecureRounds(config.privacy, self.link, self.topics, self.num_params, self.times.arrived)
+            per_step = self.strategy.contract.needs == "mean_per_step"
+            self.secure = SecureRounds(
+                config.privacy, self.link, self.topics, self.num_params, self.times.arrived, per_step
+            )
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""

@@ -182,11 +182,13 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
 # ------------------------------------------------------------------------------------------- config and contracts
 def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_device_values() -> None:
     from edge_client.algorithms import CONTRACTS
+    from edge_client.contract import secure_refusal
     from server.config import ConfigError, from_dict
 
     on = {"secure_aggregation": True, "clip_norm": 5.0}
     assert from_dict({"privacy": on}).privacy.secure_aggregation
-    assert {n for n, c in CONTRACTS.items() if c.needs == "mean"} == {"fedavg", "fedprox", "fedacg", "fedumf"}
+    accepted = {n for n, c in CONTRACTS.items() if not secure_refusal(c)}
+    assert accepted == {"fedavg", "fedprox", "fedacg", "fedumf", "fednova"}
     for algorithm, why in [("taco", "per-device values"), ("foolsgold", "per-device"), ("scaffold", "only sums")]:
         with pytest.raises(ConfigError, match=f"privacy.secure_aggregation.*{algorithm}.*{why}.*use fedavg"):
             from_dict({"privacy": on, "train": {"algorithm": algorithm}})
@@ -197,26 +199,31 @@ def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_d
 
 
 # ------------------------------------------------------------------------------------------------- whole rounds
+@pytest.mark.parametrize("algorithm", ["fedavg", "fednova"])
 def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
 ) -> None:
-    """The real runtime and server over the in-process bus: each device's delta as trained (recorded by its training
-    function), the ring sum the server unmasked (recorded as ``unmask`` returns it) and the model step it took."""
-    from conftest import make_config
+    """The real runtime and server over the in-process bus: each device's delta and steps as trained (recorded by its
+    training function), its weight as assigned (``begin``'s terms) and the ring sum the server unmasked (recorded as
+    ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their data size)."""
+    from conftest import make_config, make_update
 
     import server.experiments.inprocess as inprocess
     import server.secagg.stages as stages
     from edge_client.trainer import train_local
     from server.experiments.datasets import load_dataset
     from server.experiments.simulate import client_ids, prepare_shards
+    from server.strategies import TrainSettings, make_strategy
 
-    deltas: dict[int, dict[str, np.ndarray]] = {}
+    trained: dict[int, dict[str, tuple[np.ndarray, int, int]]] = {}  # round -> device -> delta, steps, samples
     sums: list[np.ndarray] = []
+    terms: list[dict[str, dict[str, Any]]] = []
+    begin = stages.SecureRounds.begin
 
     def recording(role: str, cid: str):
         def train(*args):
             result = train_local(*args)
-            deltas.setdefault(args[4].round, {})[cid] = result.delta.copy()
+            trained.setdefault(args[4].round, {})[cid] = (result.delta.copy(), result.local_steps, len(args[2]))
             return result
 
         return train
@@ -225,22 +232,41 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
         sums.append(unmask(*args, **kwargs))
         return sums[-1]
 
+    def begun(self, *args):
+        terms.append(begin(self, *args))
+        return terms[-1]
+
     monkeypatch.setattr(inprocess, "behaviour", recording)
     monkeypatch.setattr(stages, "unmask", unmasked)
+    monkeypatch.setattr(stages.SecureRounds, "begin", begun)
     privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2}
-    config = make_config(tmp_path, "secagg-inproc", 3, 2, train={"local_steps": 5}, privacy=privacy)
+    train = {"local_steps": 5, "algorithm": algorithm}
+    params = {"epochs": 0.178} if algorithm == "fednova" else {}  # tau_i = floor(0.178 D_i / 32): 2 or 1
+    config = make_config(tmp_path, "secagg-inproc", 4, 2, train=train, algorithm_params=params, privacy=privacy)
     bundle = load_dataset("digits", seed=0)
-    shards, _ = prepare_shards(bundle, client_ids(3), "iid", 0, tmp_path / "shards")
+    shards, _ = prepare_shards(bundle, client_ids(4), "iid", 0, tmp_path / "shards")  # 360, 359, 359, 359 samples
     summary = inprocess.run_inprocess(config, shards, bundle, tmp_path / "out")
     assert summary["secure_rounds"] == 2 and summary["dropped_rounds"] == []
-    ring = Ring(32, 2.0, 3)
+    ring = Ring(32, 2.0, 4)
+    per_step = algorithm == "fednova"
     for round_, total in enumerate(sums, start=1):
         expected = np.zeros_like(total)
-        for delta in deltas[round_].values():  # FedAvg weighs uniformly: each device 1/3
-            expected = ring.add(expected, ring.quantise(delta, 1 / 3))
+        plain = np.zeros(total.size)
+        for cid, (delta, steps, _) in trained[round_].items():
+            weight = terms[round_ - 1][cid]["weight"] / (steps if per_step else 1)
+            expected = ring.add(expected, ring.quantise(delta, weight))
+            plain += clip(delta, 2.0) * weight
         np.testing.assert_array_equal(total, expected)  # exactly, in the ring
-        plain = sum(clip(d, 2.0) / 3 for d in deltas[round_].values())
         np.testing.assert_allclose(ring.decode(total), plain, atol=3 / ring.scale)  # within the rounding
+    if per_step:  # each survivor's delta given back as the mean times its steps: FedNova's own aggregate
+        assert sorted(s for _, s, _ in trained[2].values()) == [1, 1, 1, 2]
+        strategy = make_strategy("fednova", TrainSettings(5, 0.1, 32), params)
+        weights, mean = np.zeros(total.size, np.float32), ring.decode(total)  # all survived: the weights sum to 1
+        rows = [(cid, clip(d, 2.0), s, n) for cid, (d, s, n) in trained[2].items()]
+        plain = [make_update(c, d, num_samples=n, local_steps=s) for c, d, s, n in rows]
+        secure = [make_update(c, mean * s, num_samples=n, local_steps=s) for c, _, s, n in rows]
+        expected_step = strategy.aggregate(2, weights, plain)
+        np.testing.assert_allclose(strategy.aggregate(2, weights, secure), expected_step, rtol=1e-5, atol=1e-7)
 
 
 def test_secure_rounds_over_mosquitto_with_real_devices(

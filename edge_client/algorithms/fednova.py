@@ -19,8 +19,7 @@ CONTRACT = Contract(
                 choices=("epochs", "fixed")),
     ),
     unequal_steps=True,
-    needs="sums",
-    needs_why="each delta scaled by 1/tau_i and the weighted mean of the steps tau_i",
+    needs="mean_per_step",
 )  # fmt: skip
 
 

@@ -60,14 +60,16 @@ class SecureClient:
         self.costs = {"keys_s": time.perf_counter() - t0}
         self.publish(SecAggKeys(a.round, self.client_id, keys.enc, keys.mask, a.run_id))
 
-    def trained(self, delta: np.ndarray, scalars: dict[str, Any]) -> None:
-        """Keep the round's update as ring elements: clipped, times the device's weight, quantised; ``scalars``:
-        the ``MaskedInput`` fields an ``Update`` would carry (steps, times, loss, telemetry)."""
+    def trained(self, delta: np.ndarray, scalars: dict[str, Any], per_step: bool) -> None:
+        """Keep the round's update as ring elements: clipped, divided by its steps when ``per_step`` (the contract
+        says so: FedNova), times the device's weight, quantised; ``scalars``: the ``MaskedInput`` fields an
+        ``Update`` would carry (steps, times, loss, telemetry)."""
         a = self.assignment
         assert a is not None and a.secure
         t0 = time.perf_counter()
         ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
-        self.quantised = ring.quantise(delta, a.secure["weight"])
+        steps = max(1, scalars["local_steps"]) if per_step else 1
+        self.quantised = ring.quantise(delta, a.secure["weight"] / steps)
         self.scalars = scalars
         self.costs["quantise_s"] = time.perf_counter() - t0
 

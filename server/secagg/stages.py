@@ -16,7 +16,9 @@ round's deadline):
 A stage left with fewer than ``t`` devices, a secret that cannot be rebuilt, or an unmasked mean above the clip norm
 drops the round (the model stays as it was; the reason is the row's ``dropped``), never the run. The mean of the
 survivors' updates is returned once per survivor, with that survivor's scalars (steps, times, loss, telemetry), so the
-strategy folds it as it would their updates: exact for the algorithms whose contract needs only the mean of the deltas.
+strategy folds it as it would their updates: exact for the algorithms whose contract needs only the mean of the deltas
+(and for FedNova's mean of each delta divided by its steps: each survivor's is given back as that mean times its
+steps, which FedNova divides by them again).
 """
 
 from __future__ import annotations
@@ -98,9 +100,18 @@ class SecureRounds:
     """The server's half of secure aggregation for one run."""
 
     def __init__(
-        self, privacy: PrivacySection, link: Link, topics: Topics, num_params: int, arrived: Callable[[str], None]
+        self,
+        privacy: PrivacySection,
+        link: Link,
+        topics: Topics,
+        num_params: int,
+        arrived: Callable[[str], None],
+        per_step: bool = False,
     ) -> None:
+        """``per_step``: devices divide their delta by their steps before masking (``Contract.needs``
+        ``mean_per_step``), so each survivor's delta is given back as the mean times its steps."""
         self.privacy = privacy
+        self.per_step = per_step
         self.link = link
         self.topics = topics
         self.num_params = num_params
@@ -306,7 +317,7 @@ class SecureRounds:
             compute_s=m.compute_s,
             cpu_s=m.cpu_s,
             train_loss=m.train_loss,
-            delta=mean,
+            delta=mean * np.float32(m.local_steps) if self.per_step else mean,
             metrics=m.metrics,
             run_id=r.run_id,
         )
