@@ -25,7 +25,17 @@ from pathlib import Path
 from benchmarks.common import DEFAULT_OUT, machine_line
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ["wire", "aggregation", "client_overhead", "memory", "footprint", "round_overhead", "load", "fleet"]
+BENCHMARKS = [
+    "wire",
+    "aggregation",
+    "client_overhead",
+    "memory",
+    "footprint",
+    "round_overhead",
+    "load",
+    "fleet",
+    "privacy",
+]
 TITLES = {
     "wire": "wire",
     "aggregation": "server aggregation",
@@ -34,6 +44,7 @@ TITLES = {
     "footprint": "device footprint",
     "round_overhead": "round overhead",
     "fleet": "heterogeneous fleet",
+    "privacy": "differential privacy",
 }
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 VERDICT = re.compile(r"^\**\s*(PASS|MISS)\b", re.IGNORECASE)

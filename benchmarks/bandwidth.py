@@ -72,7 +72,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """One training run in-process (or its record from an earlier, finished run)."""
     from server.config import from_dict
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import client_ids, prepare_shards
     from server.report import round_bytes

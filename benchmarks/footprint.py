@@ -96,7 +96,7 @@ def _files(tmp: Path) -> dict[str, Path]:
 
     from edge_client.models import build_model, get_flat
     from edge_client.predictor import export_onnx
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
 
     bundle = load_dataset("mnist")
     idx = np.random.default_rng(0).permutation(len(bundle.train.y))[:SAMPLES]

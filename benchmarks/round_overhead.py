@@ -59,9 +59,11 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
     """Wrap the orchestrator's phases with timers for the duration of the block (the code itself is unchanged)."""
     import server.onnx_export as onnx_export
     from server.checkpoint import Checkpoint
+    from server.dispatch import Dispatch
     from server.orchestrator import Orchestrator
 
-    orig = {name: getattr(Orchestrator, name) for name in ("_assign", "_collect", "_accept", "_train")}
+    orig = {name: getattr(Orchestrator, name) for name in ("_assign", "_collect", "_train")}
+    orig_accept = Dispatch.accept
     orig_save = Checkpoint.save
     orig_export = onnx_export.export_onnx
 
@@ -90,9 +92,9 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         finally:
             timeline.round(state.round)["collect_end"] = time.time()
 
-    def _accept(self: Orchestrator, topic: str, sender: str, update: Any) -> Any:
+    def accept(self: Dispatch, topic: str, sender: str, update: Any) -> Any:
         now = time.time()
-        out = orig["_accept"](self, topic, sender, update)  # raises for a rejected update: not recorded
+        out = orig_accept(self, topic, sender, update)  # raises for a rejected update: not recorded
         timeline.round(update.round)["arrived"][sender] = now
         return out
 
@@ -115,9 +117,10 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
         finally:
             timeline.exports.append((t0, time.time()))
 
-    patched = {"_assign": _assign, "_collect": _collect, "_accept": _accept, "_train": _train}
+    patched = {"_assign": _assign, "_collect": _collect, "_train": _train}
     for name, fn in patched.items():
         setattr(Orchestrator, name, fn)
+    Dispatch.accept = accept  # type: ignore[method-assign]
     Checkpoint.save = save  # type: ignore[method-assign]
     onnx_export.export_onnx = export_onnx
     try:
@@ -125,6 +128,7 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
     finally:
         for name, fn in orig.items():
             setattr(Orchestrator, name, fn)
+        Dispatch.accept = orig_accept  # type: ignore[method-assign]
         Checkpoint.save = orig_save  # type: ignore[method-assign]
         onnx_export.export_onnx = orig_export
 
@@ -481,7 +485,7 @@ def cause_lines(data: dict[str, Any]) -> list[str]:
 
 def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path | None = None) -> dict[str, Any]:
     from server.config import load_config
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
 
     rounds = rounds or (2 if quick else 10)
     with contextlib.ExitStack() as stack:
@@ -514,7 +518,7 @@ def run(quick: bool, out: Path | None, rounds: int | None = None, keep_run: Path
             "batch_size": config.train.batch_size,
             "rounds": rounds,
             "test_images": len(bundle.test),
-            "threads_per_client": config.clients.threads,
+            "threads_per_client": config.simulation.threads,
         },
         "target": {"fraction_lt": TARGET_FRACTION, "judged_on": "median and max over rounds >= 2"},
         "wall_s": wall,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -118,8 +119,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
-    import json
-
     from edge_client.speed import DEFAULT_MODELS, benchmark, format_table
 
     models = None
@@ -290,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        log.info("interrupted (Ctrl-C)")
         return ExitStatus.INTERRUPTED
     except Terminated:
         log.info("stopped (SIGTERM)")

@@ -165,6 +165,16 @@ def secure_refusal(contract: Contract) -> str:
     return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
 
 
+#: What a DP-compatible contract also accepts (docs/privacy.md): the clip norm and the device's noise std sent in the
+#: assignment's settings, and whether the update was within the clip norm (adaptive clipping's count) sent back.
+DP_SENDS = (
+    Value("dp_clip_norm", "C: clip everything uploaded, jointly, to this L2 norm", low=1e-12, required=False),
+    Value("dp_noise_std", "std of the Gaussian noise the device adds to its clipped upload", required=False),
+)
+DP_RETURNS = (Value("dp_within", "1 when the upload was within dp_clip_norm before clipping", high=1, integer=True,
+                    required=False),)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Contract:
     """Everything an algorithm's server and device halves exchange, with its bounds.
@@ -191,6 +201,10 @@ class Contract:
     adaptive_steps: bool = False
     needs: str = "mean"
     needs_why: str = ""
+    # Differential privacy: "" when the server half releases nothing derived from device data but its running sums
+    # (which server/dp noises), else why it refuses DP; dp_requires: (setting, value) pairs DP needs, e.g. weighting
+    dp_refusal: str = "its server half has not been checked for differential privacy"
+    dp_requires: tuple[tuple[str, Any], ...] = ()
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -224,6 +238,10 @@ class Contract:
     def setting(self, name: str) -> Setting:
         return self._by_name[name]
 
+    def dp_values(self, values: tuple[Value, ...]) -> tuple[Value, ...]:
+        """``values`` (``DP_SENDS`` or ``DP_RETURNS``) when this contract accepts DP, else none."""
+        return () if self.dp_refusal else values
+
     # -- configuration (server side) --------------------------------------------------------------------------------
     def resolve(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Every setting of this algorithm: ``given`` (a config table) checked, the rest from the defaults."""
@@ -249,7 +267,7 @@ class Contract:
         may be, and every array must be one the contract names, of the model's size.
         """
         known = {s.name: s for s in self.all_settings if s.device}
-        values = {v.name: v for v in self.sends_values}
+        values = {v.name: v for v in (*self.sends_values, *self.dp_values(DP_SENDS))}
         for key in settings:
             if key not in known and key not in values:
                 raise ContractError(f"{self.name}.{key}: the assignment carries a setting {self.name} does not declare")
@@ -299,7 +317,8 @@ class Contract:
         def vector_problems(name: str, a: Array, arr: np.ndarray) -> list[tuple[str, str]]:
             return array_problems(f"{self.name}.{name}", arr, size, self.max_norm(resolved, name))
 
-        return self._match("value", values, self.returns_values, value_problems) + self._match(
+        declared = (*self.returns_values, *self.dp_values(DP_RETURNS))
+        return self._match("value", values, declared, value_problems) + self._match(
             "array", arrays, self.returns, vector_problems
         )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -121,8 +122,6 @@ def _torch_export(model: Any, dummy: Any, target: Path) -> str:
     TorchScript-based exporter (``dynamo=False``) needs only the ``onnx`` package, is still supported (deprecated)
     and is exact for these models, so it goes first. The dynamo exporter is the fallback for a torch that removed it.
     """
-    import importlib.util
-
     import torch
 
     if importlib.util.find_spec("onnx") is None:

@@ -164,7 +164,7 @@ class Session:
             now = f"this device is in run {self.joined}" if self.joined else "this device has not joined it"
             log.warning("ignoring the server's stop of run %s (%s): %s", s.run_id, s.reason, now)
             return False
-        log.info("run %s finished: %s", s.run_id, s.reason)
+        log.info("run %s ended: %s", s.run_id, s.reason)
         self.left, self.joined, self.pending, self.held = self.joined, None, None, None
         return True
 

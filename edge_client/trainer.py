@@ -26,6 +26,7 @@ import torch
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.dp import privatize
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment
 
@@ -121,6 +122,7 @@ def train_local(
     loop_wall, loop_cpu = time.perf_counter() - loop_wall, time.process_time() - loop_cpu
     delta = (ctx.start - flat.params).numpy()
     extras, arrays = algorithm.end_round(ctx, delta)
+    delta, arrays, private = privatize(plan.settings, delta, arrays)  # before any codec (edge_client.dp)
     compute_s, cpu_s = time.perf_counter() - wall0, time.process_time() - cpu0
 
     return TrainResult(
@@ -131,6 +133,6 @@ def train_local(
         train_loss=float(loss_sum) / max(1, plan.steps),
         overhead_s=max(0.0, compute_s - loop_wall),
         overhead_cpu_s=max(0.0, cpu_s - loop_cpu),
-        extras=extras,
+        extras={**extras, **private},
         arrays=arrays,
     )

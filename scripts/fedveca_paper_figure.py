@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from edge_client.models import SquaredSVM
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

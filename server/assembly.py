@@ -14,9 +14,9 @@ from edge_client.data import ArrayDataset
 from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
+from server.datasets import DatasetBundle, load_dataset, split_root
 from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
-from server.experiments.datasets import DatasetBundle, load_dataset, split_root
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
 from server.strategies import Strategy, make_strategy
 from server.target import Target, eval_mode, run_target

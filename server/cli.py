@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edge_client.transport import LinkConfig
+from server import device_profiles
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
+from server.metrics_endpoint import METRICS_HELP, serve_metrics
 
 if TYPE_CHECKING:
     from server.bridge import BridgeSettings
@@ -42,7 +44,7 @@ DASHBOARD_HELP = (
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
+    "--algorithm": ("train__algorithm", str, "aggregation algorithm (docs/algorithms.md)"),
     "--dataset": (
         "data__dataset",
         str,
@@ -67,7 +69,7 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--codec": (
         "train__codec",
         str,
-        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (README: Compression); with "
+        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (docs/compression.md); with "
         "train.codec_policy = 'link' in the config, the codec of devices whose link is not measured yet",
     ),
     "--max-packet-size": (
@@ -75,6 +77,10 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
         int,
         "the broker's packet limit in bytes when it advertises none (ejabberd); 0: what the broker says",
     ),
+    "--privacy": ("privacy__mode", str, "differential privacy: off, central or local (docs/privacy.md)"),
+    "--clip-norm": ("privacy__clip_norm", float, "DP: the L2 norm every device clips its update to"),
+    "--noise-multiplier": ("privacy__noise_multiplier", float, "DP: noise std / clip norm (0: from --target-epsilon)"),
+    "--target-epsilon": ("privacy__target_epsilon", float, "DP: the budget; the run stops before exceeding it"),
 }
 
 
@@ -91,6 +97,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log every client event on the console too")
     parser.add_argument("--dashboard", metavar="HOST:PORT", help=DASHBOARD_HELP)
+    parser.add_argument("--metrics", metavar="HOST:PORT", help=METRICS_HELP)
     parser.add_argument(
         "--model-path",
         action="append",
@@ -179,7 +186,7 @@ def _print_partition(bundle: Any, scheme: str, table: str) -> None:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.simulate import client_ids, prepare_shards
 
     ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
@@ -192,7 +199,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from server.assembly import run_target_of, split_clients
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
@@ -204,19 +211,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
+    target = run_target_of(config, bundle)
     with (
         serve_dashboard(args.dashboard, out_dir),
-        RoundProgress(config.run.rounds, run_target_of(config, bundle)) as progress,
+        RoundProgress(config.run.rounds, target) as progress,
+        serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
     ):
         if args.in_process:
-            summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=progress)
+            summary = run_inprocess(config, shards, bundle, out_dir, root=root, observer=observer)
         else:
             with _broker_for(config, out_dir, ids) as (link, broker):
                 if broker is not None:
                     logins = {cid: ClientLogin(cid, broker.devices[cid].password) for cid in ids}
                 else:  # an external broker: the clients share the server's login
                     logins = {cid: ClientLogin(link.username or "", link.password or "") for cid in ids}
-                summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, observer=progress)
+                summary = run_processes(config, shards, link, logins, bundle, out_dir, root=root, observer=observer)
     _report(summary, out_dir, progress.console)
     return 0
 
@@ -224,13 +233,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from server.experiments import fleet
-
     if args.fleet_command == "list":
-        known = fleet.profiles(load_config(args.config).fleet.profiles)
+        known = device_profiles.profiles(load_config(args.config).fleet.profiles)
         console = Console()
         console.print(fleet_table(known))
-        console.print(f"CPU share: of one core of this machine. Reference: {fleet.REFERENCE_SOURCE}.", highlight=False)
+        console.print(
+            f"CPU share: of one core of this machine. Reference: {device_profiles.REFERENCE_SOURCE}.", highlight=False
+        )
         for name, p in sorted(known.items()):
             console.print(f"{name}: {p.source}", highlight=False)
         return 0
@@ -244,14 +253,14 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     print(f"measuring this machine: {args.model}, FedAvg, 100 steps of batch 64 on one thread, {args.repeats} times")
     [result] = benchmark({args.model: DEFAULT_MODELS[args.model]}, ["fedavg"], repeats=args.repeats, inference=False)
     host = result["cpu_s_per_100"]
-    profile = fleet.calibrated(args.name, args.seconds_per_100_steps, host, links)
+    profile = device_profiles.calibrated(args.name, args.seconds_per_100_steps, host, links)
     print(
         f"this machine: {host:.3f} CPU s per 100 steps (wall {result['s_per_100']:.3f} s); a device that needs "
         f"{args.seconds_per_100_steps:g} s is {profile.cpu_share:g} of one core here"
         + (" (capped at 1: it is faster than one core here)" if host > args.seconds_per_100_steps else "")
         + ". Add to your configuration:\n"
     )
-    print(fleet.profile_toml(profile))
+    print(device_profiles.profile_toml(profile))
     return 0
 
 
@@ -259,14 +268,13 @@ def fleet_table(profiles: dict[str, Any]) -> Any:
     """``edge-server fleet list``: every profile with where its numbers come from."""
     from rich.table import Table
 
-    from server.experiments.fleet import REFERENCE_MODEL, REFERENCE_S_PER_100
-
+    ref_model, ref_s = device_profiles.REFERENCE_MODEL, device_profiles.REFERENCE_S_PER_100
     table = Table(title="device profiles (sources below)")
-    for col in ("class", "CPU share", f"s / 100 steps of {REFERENCE_MODEL}", "uplink Mbit/s", "downlink Mbit/s"):
+    for col in ("class", "CPU share", f"s / 100 steps of {ref_model}", "uplink Mbit/s", "downlink Mbit/s"):
         table.add_column(col, justify="left" if col == "class" else "right")
     for name, p in sorted(profiles.items()):
         table.add_row(
-            name, f"{p.cpu_share:.4g}", f"{REFERENCE_S_PER_100 / p.cpu_share:.3g}", f"{p.uplink_mbps:g}",
+            name, f"{p.cpu_share:.4g}", f"{ref_s / p.cpu_share:.3g}", f"{p.uplink_mbps:g}",
             f"{p.downlink_mbps:g}",
         )  # fmt: skip
     return table
@@ -287,8 +295,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 f"started mosquitto at {broker.url}; device credentials in {out_dir}/broker/credentials.json",
                 file=sys.stderr,
             )
-        with serve_dashboard(args.dashboard, out_dir), RoundProgress(config.run.rounds, target) as progress:
-            summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=progress).run()
+        with (
+            serve_dashboard(args.dashboard, out_dir),
+            RoundProgress(config.run.rounds, target) as progress,
+            serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
+        ):
+            summary = make_orchestrator(config, bundle, out_dir, link_config=link, root=root, observer=observer).run()
     _report(summary, out_dir, progress.console)
     return 0
 
@@ -426,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                 str,
                 PARTITION_HELP,
             ),
-            "--threads": ("clients__threads", int, "torch threads per client process"),
+            "--threads": ("simulation__threads", int, "torch threads per client process"),
             "--fleet": ("fleet__devices", str, FLEET_HELP),
         },
     )
@@ -501,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fleet",
         help="device profiles for simulated fleets: list them, or calibrate one from a real device's benchmark",
         description="A profile is a CPU share of one core of this machine plus uplink and downlink rates; "
-        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (README: heterogeneous fleets).",
+        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (docs/fleets.md).",
     )
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
     listing = fleet_sub.add_parser("list", help="the shipped profiles (and a config's [fleet.profiles.NAME])")

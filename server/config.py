@@ -3,7 +3,7 @@
 ```toml
 [run]        rounds, target_accuracy, target, target_metric, higher_is_better, stop_at_target, seed, out, job
 [clients]    count, min_clients, fraction, register_timeout_s, round_deadline_s, deadline_factor, deadline_margin_s,
-             deadline_floor_s, threads, max_samples, max_weight_share
+             deadline_floor_s, max_samples, max_weight_share
 [data]       dataset ("none": the server holds no data), partition
 [model]      name, or factory = "package.module:callable", plus the model's keyword arguments (default: the data set's)
 [task]       name = classification | regression | binary, or factory = "package.module:callable" plus its arguments
@@ -13,9 +13,12 @@
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
              codec_ladder, downlink_codec
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
-[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/experiments/fleet.py)
+[fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py): simulated
+[simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
-[privacy]    secure_aggregation, threshold, neighbours, clip_norm, quantisation_bits, stage_deadline_s
+[privacy]    mode = off | central | local, clip_norm, noise_multiplier, target_epsilon, delta, adaptive_clipping,
+             target_quantile, clip_learning_rate (docs/privacy.md; checked by server/dp/settings.py),
+             secure_aggregation, threshold, neighbours, quantisation_bits, stage_deadline_s (docs/secure-aggregation.md)
 ```
 
 Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose
@@ -29,6 +32,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,8 @@ import tomllib
 
 from edge_client import codecs
 from edge_client.algorithms import CONTRACTS, contract_of
+from server.device_profiles import fleet_size, profiles
+from server.dp.settings import PrivacySection, privacy_refusal
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -48,34 +54,32 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunSection:
-    rounds: int = 30
+    rounds: int = 30  # rounds to train
     target_accuracy: float = 0.97  # classification's shorthand for target_metric = "accuracy", target = ...
     target: float | None = None  # the value of target_metric counted as reached (time-to-target)
-    target_metric: str = ""  # default: the task's main metric (accuracy, rmse, auc)
+    target_metric: str = ""  # default: the task's main metric (accuracy, rmse, auc); "loss" works for every task
     higher_is_better: bool | None = None  # default: the metric's own direction
+    # true: stop once a round reaches the target (a server evaluation is seen while the next round trains, so that
+    # round finishes too)
     stop_at_target: bool = False
-    seed: int = 0
-    out: str = "runs/latest"
-    job: str = "default"
+    seed: int = 0  # seeds the partition, the held-out splits and what the run draws at random
+    out: str = "runs/latest"  # the run's output directory (metrics.jsonl, summary.json, plots, checkpoint, logs)
+    job: str = "default"  # topic namespace: several jobs can share one broker
 
 
 @dataclass
 class ClientsSection:
-    count: int = 10  # simulate: client processes to start
+    count: int = 10  # simulate: client processes to start; run: devices to wait for before round 1
     min_clients: int = 0  # clients to wait for before round 1 (0: all of `count`)
     fraction: float = 1.0  # C: fraction of available clients selected per round
-    register_timeout_s: float = 300.0
+    register_timeout_s: float = 300.0  # the longest the server waits for its devices to register before round 1
     round_deadline_s: float = 120.0  # the longest a round waits for updates (the deadline while one is unmeasured)
     # > 0: the deadline is deadline_factor x the longest time a selected client is predicted to need (its own last
     # measured seconds per step x the steps it is told, plus its transfers: server/deadlines.py) plus
     # deadline_margin_s, never below deadline_floor_s nor above round_deadline_s; 0: always the fixed one
     deadline_factor: float = 0.0
-    deadline_margin_s: float = 5.0
-    deadline_floor_s: float = 10.0
-    threads: int = 1  # simulate: torch threads per client process
-    freeloaders: float = 0.0  # simulate: fraction of clients that are TACO freeloaders (the last ids)
-    attackers: float = 0.0  # simulate: fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
-    attack_sigma: float = 1.7320508  # DRAG: variance 3
+    deadline_margin_s: float = 5.0  # seconds added to a derived deadline
+    deadline_floor_s: float = 10.0  # a derived deadline never goes below this
     # a device registering with more training samples is refused: data-size weights come from the registration, so an
     # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
     max_samples: int = 10_000_000
@@ -86,8 +90,25 @@ class ClientsSection:
 
 
 @dataclass
+class SimulationSection:
+    """Simulated clients only (edge-server simulate and bench, the benchmarks); a server of real devices ignores it."""
+
+    threads: int = 1  # torch threads per client process
+    freeloaders: float = 0.0  # fraction of clients that are TACO freeloaders (the last ids)
+    attackers: float = 0.0  # fraction of clients that scale their updates by p ~ N(0, attack_sigma^2)
+    attack_sigma: float = 1.7320508  # DRAG: variance 3
+
+
+#: ``section.key`` -> where it moved: read where it was, with a FutureWarning naming the new key, for one release
+MOVED = {f"clients.{key}": f"simulation.{key}" for key in ("threads", "freeloaders", "attackers", "attack_sigma")}
+
+
+@dataclass
 class DataSection:
+    # mnist | mnist-parity | fmnist | adult | shakespeare | digits | NAME:DIR | a path (docs/datasets.md); "none": the
+    # server holds no data (the devices evaluate)
     dataset: str = "mnist"
+    # iid | dirichlet:PHI[:balanced] | taco-groups | fedveca-case:N | drag-q:Q | shards:K | unbalanced:SIGMA | natural
     partition: str = "iid"
 
 
@@ -103,13 +124,13 @@ class EvalSection:
 
 @dataclass
 class TrainSection:
-    algorithm: str = "fedavg"
-    local_steps: int = 50
-    batch_size: int = 64
-    lr: float = 0.1
+    algorithm: str = "fedavg"  # a name of docs/algorithms.md; its settings go in [algorithm.NAME]
+    local_steps: int = 50  # tau: local SGD steps per client and round
+    batch_size: int = 64  # local mini-batch size
+    lr: float = 0.1  # local learning rate
     # the local optimiser of every algorithm: SGD, with momentum and weight decay when set (FedUmf's paper: 0.5, 5e-4)
     momentum: float = 0.0
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # of the local optimiser (see momentum)
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = field(default=1e4, metadata={INF_OFF: "disables the check"})
@@ -123,15 +144,16 @@ class TrainSection:
     # "deadline": each client gets the most local steps it can finish in round_budget_s from its measured speed, in
     # [tau_min, tau_max] (server/steps_policy.py); only for algorithms whose contract tolerates unequal steps
     steps_policy: str = "fixed"
-    round_budget_s: float = 0.0
-    tau_min: int = 1
+    round_budget_s: float = 0.0  # the round time the deadline policy fits (required with it)
+    tau_min: int = 1  # the deadline policy's least steps
     tau_max: int = 0  # 0: train.local_steps
     # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
     # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
     # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
-    codec: str = "fp32"
-    codec_policy: str = "fixed"
-    upload_budget_s: float = 0.0
+    codec: str = "fp32"  # fp32 | fp16 | int8[:B] | topk:F | topk:F+int8[:B] (docs/compression.md)
+    codec_policy: str = "fixed"  # fixed: every device uses codec | link: per device, from its measured upload rate
+    upload_budget_s: float = 0.0  # link: the longest an upload should take (seconds)
+    # link: the choices, least lossy first
     codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
     # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
     downlink_codec: str = "fp32"
@@ -139,7 +161,7 @@ class TrainSection:
 
 @dataclass
 class FleetSection:
-    """A simulated fleet of device classes (server/experiments/fleet.py); empty: every client is this machine."""
+    """A simulated fleet of device classes (server/device_profiles.py); empty: every client is this machine."""
 
     devices: str = ""  # "pi5:2,pi4:5,pi3:3": classes in client order (clients.count follows when not given)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # [fleet.profiles.NAME]: add or replace
@@ -148,28 +170,14 @@ class FleetSection:
 @dataclass
 class BrokerSection:
     url: str = ""  # empty: edgefl starts a mosquitto of its own
-    username: str = "edgefl-server"
+    username: str = "edgefl-server"  # the server's broker login
     password: str = ""  # empty: the EDGEFL_PASSWORD environment variable
-    ca_file: str = ""
-    chunk_size: int = 1 << 20
+    ca_file: str = ""  # the CA certificate of an mqtts:// broker
+    chunk_size: int = 1 << 20  # bytes per MQTT message; larger payloads are chunked
     # Bytes: the broker's packet limit when it advertises none (ejabberd: its listener's max_payload_size; also
     # passed to simulated clients). 0: the limit the broker advertises (mosquitto does).
     max_packet_size: int = 0
     devices: list[str] = field(default_factory=list)  # device ids to create credentials for (own broker only)
-
-
-@dataclass
-class PrivacySection:
-    """Secure aggregation (docs/secure-aggregation.md): the server learns the sum of a round's updates alone."""
-
-    secure_aggregation: bool = False
-    # the shares that rebuild a device's secrets: a fraction in (0, 1] of its holders (its neighbours and itself,
-    # rounded up, at least 2), or a count >= 2; up to holders - threshold devices may drop after masking
-    threshold: float = 0.6
-    neighbours: int = 0  # SecAgg+'s graph degree (even); 0: every other device of the round (the original SecAgg)
-    clip_norm: float = 0.0  # the L2 norm each device clips its update to (> 0 with secure aggregation)
-    quantisation_bits: int = 32  # the ring's: integers modulo 2^bits (16-32)
-    stage_deadline_s: float = 30.0  # the longest each stage but the training one waits (keys, masking, unmasking)
 
 
 @dataclass
@@ -180,10 +188,19 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
     fleet: FleetSection = field(default_factory=FleetSection)
+    simulation: SimulationSection = field(default_factory=SimulationSection)
     eval: EvalSection = field(default_factory=EvalSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    # name = cnn (TACO's) | fedveca-cnn | svm | mlp (in_features, num_classes, hidden) | char-lstm, or factory =
+    # "package.module:callable" returning a torch.nn.Module; the other keys are its keyword arguments, input_shape
+    # (one sample) is for the ONNX export. Default: the data set's model (docs/own-model.md)
     model: dict[str, Any] = field(default_factory=dict)
+    # name = classification (cross-entropy; accuracy) | regression (MSE; MAE, RMSE) | binary (BCE; accuracy, AUC), or
+    # factory = "package.module:callable" returning an edge_client.tasks.Task (loss, metrics, main metric, directions,
+    # and ranges={"loss": (0, inf), ...}: device reports outside them are refused) plus its arguments. Default:
+    # classification
     task: dict[str, Any] = field(default_factory=dict)
+    # each algorithm's settings as its contract declares them (edge_client/algorithms/<name>.py; docs/algorithms.md)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -193,10 +210,11 @@ class RunConfig:
     def algorithm_params(self) -> dict[str, Any]:
         return dict(self.algorithm.get(self.train.algorithm, {}))
 
-    def validate(self) -> RunConfig:
-        self._validate_finite()
+    def bounds(self) -> list[tuple[str, bool, str]]:
+        """``(section.key, holds, what it must be)`` for every bounded key: validate() refuses the first that does not
+        hold, and docs/configuration.md's table shows what it must be (server/config_reference.py)."""
         c = self.clients
-        checks = [
+        return [
             ("run.rounds", self.run.rounds >= 1, "an integer >= 1"),
             ("run.target_accuracy", 0.0 < self.run.target_accuracy <= 1.0, "a fraction in (0, 1], e.g. 0.97"),
             ("clients.count", self.clients.count >= 1, "an integer >= 1"),
@@ -212,10 +230,6 @@ class RunConfig:
                 f"seconds > 0, and <= clients.round_deadline_s ({c.round_deadline_s:g}) when "
                 "clients.deadline_factor is set",
             ),
-            ("clients.threads", self.clients.threads >= 1, "an integer >= 1"),
-            ("clients.freeloaders", 0.0 <= self.clients.freeloaders <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attackers", 0.0 <= self.clients.attackers <= 1.0, "a fraction in [0, 1]"),
-            ("clients.attack_sigma", self.clients.attack_sigma > 0, "a number > 0"),
             ("clients.max_samples", self.clients.max_samples >= 1, "an integer >= 1"),
             ("clients.max_weight_share", 0.0 < c.max_weight_share <= 1.0, "a fraction in (0, 1] (1: no cap)"),
             ("train.local_steps", self.train.local_steps >= 1, "an integer >= 1"),
@@ -253,6 +267,10 @@ class RunConfig:
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
             ("eval.deadline_s", self.eval.deadline_s > 0, "seconds > 0"),
             ("eval.holdout", 0 <= self.eval.holdout < 1, "a fraction in [0, 1)"),
+            ("simulation.threads", self.simulation.threads >= 1, "an integer >= 1"),
+            ("simulation.freeloaders", 0.0 <= self.simulation.freeloaders <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attackers", 0.0 <= self.simulation.attackers <= 1.0, "a fraction in [0, 1]"),
+            ("simulation.attack_sigma", self.simulation.attack_sigma > 0, "a number > 0"),
             ("broker.chunk_size", self.broker.chunk_size >= 1024, "bytes >= 1024"),
             (
                 "broker.max_packet_size",
@@ -260,7 +278,10 @@ class RunConfig:
                 "bytes >= 4096, or 0 to use the limit the broker advertises",
             ),
         ]
-        for key, ok, expected in checks:
+
+    def validate(self) -> RunConfig:
+        self._validate_finite()
+        for key, ok, expected in self.bounds():
             if not ok:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
@@ -283,45 +304,12 @@ class RunConfig:
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
         self._validate_fleet()
-        self._validate_privacy()
+        refusal = privacy_refusal(
+            self.privacy, self.clients.count, self.train.algorithm, self.algorithm_params(), self.train.steps_policy
+        )
+        if refusal is not None:
+            raise ConfigError(refusal)
         return self
-
-    def _validate_privacy(self) -> None:
-        from edge_client.contract import secure_refusal
-        from edge_client.secagg.wire import MAX_NEIGHBOURS, RING_BITS
-
-        p = self.privacy
-        if not p.secure_aggregation:
-            return
-        t = p.threshold
-        checks = [
-            ("privacy.clip_norm", p.clip_norm > 0, "a number > 0 with secure aggregation (each device clips to it)"),
-            (
-                "privacy.threshold",
-                0 < t <= 1 or (t >= 2 and t == int(t)),
-                "a fraction in (0, 1] of each device's share holders, or a whole count >= 2",
-            ),
-            (
-                "privacy.neighbours",
-                p.neighbours == 0 or (2 <= p.neighbours <= MAX_NEIGHBOURS and p.neighbours % 2 == 0),
-                f"0 (every other device) or an even degree in [2, {MAX_NEIGHBOURS}]",
-            ),
-            (
-                "privacy.quantisation_bits",
-                RING_BITS[0] <= p.quantisation_bits <= RING_BITS[1],
-                f"an integer in [{RING_BITS[0]}, {RING_BITS[1]}]",
-            ),
-            ("privacy.stage_deadline_s", p.stage_deadline_s > 0, "seconds > 0"),
-        ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"{key} must be {expected}; got {getattr(p, key.split('.')[1])!r}")
-        why = secure_refusal(contract_of(self.train.algorithm))
-        if why:
-            raise ConfigError(
-                f"privacy.secure_aggregation = true with train.algorithm = {self.train.algorithm!r}: {why}; use "
-                f"{', '.join(n for n, c in CONTRACTS.items() if not secure_refusal(c))}, or turn secure aggregation off"
-            )
 
     def _validate_finite(self) -> None:
         """Every float of every section is finite, unless its field says what ``inf`` means (nan never is)."""
@@ -336,15 +324,26 @@ class RunConfig:
             )
 
     def _validate_steps_policy(self) -> None:
-        from server.steps_policy import refusal
-
-        why = refusal(self.train)
-        if why:
-            raise ConfigError(why)
+        """The deadline policy (server/steps_policy.py) needs a budget, and an algorithm whose contract tolerates
+        unequal steps."""
+        train = self.train
+        if train.steps_policy != "deadline":
+            return
+        if train.round_budget_s <= 0:
+            raise ConfigError(
+                "train.round_budget_s must be seconds > 0 with train.steps_policy = 'deadline' (the round time to fit)"
+            )
+        if contract_of(train.algorithm).unequal_steps:  # an unknown algorithm was refused on its own key before
+            return
+        tolerant = ", ".join(sorted(name for name, c in CONTRACTS.items() if c.unequal_steps))
+        raise ConfigError(
+            f"train.steps_policy = 'deadline' gives clients different local step counts, which {train.algorithm} "
+            "cannot aggregate: it averages raw updates, so the model would drift towards the objective of the clients "
+            "that ran more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose "
+            f"aggregation normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
+        )
 
     def _validate_fleet(self) -> None:
-        from server.experiments.fleet import fleet_size, profiles
-
         try:
             profiles(self.fleet.profiles)
             if self.fleet.devices:
@@ -399,8 +398,31 @@ def _fill(section_name: str, instance: Any, values: dict[str, Any]) -> None:
         setattr(instance, key, _check_type(f"{section_name}.{key}", value, hints[key]))
 
 
+def moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of ``MOVED`` in their new sections, each move a FutureWarning that names the new key."""
+    out = {name: dict(values) if isinstance(values, dict) else values for name, values in data.items()}
+    for old, new in MOVED.items():
+        (old_section, key), (new_section, new_key) = old.split("."), new.split(".")
+        section = out.get(old_section)
+        if not isinstance(section, dict) or key not in section:
+            continue
+        target = out.setdefault(new_section, {})
+        if not isinstance(target, dict):
+            continue  # from_dict refuses the section itself
+        if new_key in target:
+            raise ConfigError(f"{old} and {new} are both given; {old} is the old name of {new}: keep only {new}")
+        warnings.warn(
+            f"{old} is now {new}: move it to [{new_section}] ({old} is read until the next release)",
+            FutureWarning,
+            stacklevel=3,
+        )
+        target[new_key] = section.pop(key)
+    return out
+
+
 def from_dict(data: dict[str, Any]) -> RunConfig:
     config = RunConfig()
+    data = moved_keys(data)
     for name, values in data.items():
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(sorted(SECTIONS))}")
@@ -428,8 +450,6 @@ def from_dict(data: dict[str, Any]) -> RunConfig:
 
 def follow_fleet(config: RunConfig, count_given: bool) -> None:
     """``clients.count`` follows ``fleet.devices`` when it was not given itself."""
-    from server.experiments.fleet import fleet_size
-
     if config.fleet.devices and not count_given:
         with contextlib.suppress(ValueError):  # validate() reports it, naming the key
             config.clients.count = fleet_size(config.fleet.devices, config.fleet.profiles)

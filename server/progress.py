@@ -29,6 +29,7 @@ class RoundProgress:
             transient=True,
         )
         self.task = self.progress.add_task("starting", total=rounds)
+        self._waiting = ""  # the last wait shown: without a terminal each change is a line of its own
 
     def __enter__(self) -> RoundProgress:
         self.progress.start()
@@ -38,7 +39,12 @@ class RoundProgress:
         self.progress.stop()
 
     def waiting(self, text: str) -> None:
+        """The bar's text on a terminal; elsewhere (a log file, systemd's journal) no bar is drawn, so each change of
+        what the server waits for is printed as a line: a server waiting for devices never looks hung."""
         self.progress.update(self.task, description=text)
+        if text != self._waiting and not self.console.is_terminal:
+            self.console.print(text, highlight=False, soft_wrap=True)
+        self._waiting = text
 
     def round_done(self, row: dict[str, Any]) -> None:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
@@ -46,11 +52,12 @@ class RoundProgress:
         slowest = max(row["clients"].values(), key=lambda c: c["compute_s"], default={})
         of = f" ({slowest['device_class']})" if slowest.get("device_class") else ""
         parallel = f"  parallel clock {row['parallel_elapsed_s']:.1f}s" if "parallel_elapsed_s" in row else ""
+        spent = f"  epsilon {row['epsilon']:.3g} (delta {row['delta']:.2g})" if "epsilon" in row else ""
         self.console.print(
             f"round {row['round']:>3}/{self.rounds}  {self._measured(row)}  "
             f"clients {row['clients_reported']}/{row['clients_selected']}  round {row['round_s']:.1f}s  "
             f"slowest compute {row['slowest_compute_s']:.2f}s{of}  elapsed {row['elapsed_s']:.1f}s{parallel}"
-            f"{missing}{rejected}",
+            f"{spent}{missing}{rejected}",
             highlight=False,
             soft_wrap=True,
         )
@@ -103,6 +110,11 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
         ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
+    if "privacy" in summary:  # differential privacy: the budget spent, and why the run stopped early
+        p = summary["privacy"]
+        rows.append(("epsilon spent", f"{p['epsilon']:.3f} (delta {p['delta']:.2g}, {p['mode']})"))
+        if p["stopped_by_budget"]:
+            rows.append(("stopped by the budget", p["stopped_by_budget"]))
     if "parallel_clock_s" in summary:  # in-process: the time a fleet of these devices would take
         rows.insert(6, ("parallel clock", fmt(summary["parallel_clock_s"], " s")))
         rows.insert(10, ("parallel clock to target", fmt(summary["parallel_clock_to_target_s"], " s")))

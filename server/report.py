@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 from server.strict_json import strict_json
 from server.target import Target
@@ -188,6 +189,14 @@ def plot_report(rows: list[dict[str, Any]], target: Target, path: Path, title: s
         if target.value is not None:  # else nothing is labelled
             ax.legend(loc="best")
     axes[0].xaxis.get_major_locator().set_params(integer=True)
+    if any("epsilon" in r for r in rows):  # differential privacy: the budget each accuracy cost, above its round
+        spent = ([r["round"] for r in rows], [r["epsilon"] for r in rows])
+        top = axes[0].secondary_xaxis(
+            "top", functions=(lambda x: np.interp(x, *spent), lambda e: np.interp(e, spent[1], spent[0]))
+        )
+        top.set_xlabel(f"epsilon spent (delta {rows[-1]['delta']:.2g})", color="tab:red")
+        ticks = sorted({spent[1][int(i)] for i in np.linspace(0, len(rows) - 1, min(6, len(rows)))})
+        top.set_xticks(ticks, [f"{e:.3g}" for e in ticks])
     axes[0].set_ylabel(f"{target.metric} ({'test set' if target.source == 'server' else 'devices, held out'})")
     fig.suptitle(title)
     fig.tight_layout()

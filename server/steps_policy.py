@@ -9,41 +9,19 @@ client's steps itself (its contract's ``adaptive_steps``: FedVeca's tau) never m
 has not been measured yet is told what the algorithm says, within the same bounds.
 
 It is offered only with algorithms whose contract says they tolerate unequal steps (``unequal_steps``: the aggregation
-normalises each update by the steps its client ran, as FedNova and FedVeca do). Averaging raw updates of unequal step
-counts, as FedAvg does, minimises a different objective, weighted towards the clients that ran more steps: objective
-inconsistency (Wang et al., "Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization",
-NeurIPS 2020, the FedNova paper).
+normalises each update by the steps its client ran, as FedNova and FedVeca do; the configuration refuses the others).
+Averaging raw updates of unequal step counts, as FedAvg does, minimises a different objective, weighted towards the
+clients that ran more steps: objective inconsistency (Wang et al., "Tackling the Objective Inconsistency Problem in
+Heterogeneous Federated Optimization", NeurIPS 2020, the FedNova paper).
 """
 
 from __future__ import annotations
 
 import math
 
-from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import Contract
 from server.config import TrainSection
 from server.deadlines import MIN_S_PER_STEP, DeviceTimes
-
-
-def refusal(train: TrainSection) -> str | None:
-    """Why ``train``'s steps policy cannot be used (a config error naming the key and the fix), or None."""
-    if train.steps_policy != "deadline":
-        return None
-    if train.round_budget_s <= 0:
-        return "train.round_budget_s must be seconds > 0 with train.steps_policy = 'deadline' (the round time to fit)"
-    try:
-        contract = contract_of(train.algorithm)
-    except ValueError:
-        return None  # the unknown algorithm is reported on its own key
-    if contract.unequal_steps:
-        return None
-    tolerant = ", ".join(sorted(name for name, c in CONTRACTS.items() if c.unequal_steps))
-    return (
-        f"train.steps_policy = 'deadline' gives clients different local step counts, which {train.algorithm} cannot "
-        f"aggregate: it averages raw updates, so the model would drift towards the objective of the clients that ran "
-        f"more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose aggregation "
-        f"normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
-    )
 
 
 class StepsPolicy:

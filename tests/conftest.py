@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,7 +39,7 @@ from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings, MosquittoNotInstalled, find_mosquitto
 from server.config import RunConfig, TrainSection, from_dict
-from server.experiments.datasets import DatasetBundle, load_dataset
+from server.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import (
     ClientLogin,
@@ -106,6 +107,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def poll(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Wait until ``check()`` holds, or fail saying ``what`` did not happen within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
 
 
 def require_mosquitto() -> None:
@@ -271,19 +281,21 @@ def make_config(
     dataset: str = "digits",
     model: dict[str, Any] | None = None,
     privacy: dict[str, Any] | None = None,
+    simulation: dict[str, Any] | None = None,
     **clients_section: Any,
 ) -> RunConfig:
     train = {"local_steps": 20, "batch_size": 32, "lr": 0.1, **(train or {})}
     return from_dict(
         {
             **({"model": model} if model else {}),
-            **({"privacy": privacy} if privacy else {}),
             "run": {"rounds": rounds, "out": str(tmp_path / job), "job": job, "target_accuracy": 0.5},
             # register_timeout_s is a ceiling: a loaded machine takes over a minute to start 20 client processes
             "clients": {"count": clients, "register_timeout_s": 180.0, **clients_section},
+            "simulation": simulation or {},
             "data": {"dataset": dataset, "partition": partition},
             "train": train,
             "algorithm": {train.get("algorithm", "fedavg"): algorithm_params or {}},
+            **({"privacy": privacy} if privacy else {}),
         }
     )
 
@@ -319,9 +331,9 @@ def start_federation(
 ) -> tuple[Orchestrator, dict[str, subprocess.Popen]]:
     """Start client processes client-00.. (each on the broker ``client_broker`` names) and build the server on ``link``.
 
-    ``settings``: ``train={...}``, ``algorithm_params={...}`` and keys of the [clients] section; ``dataset``: a
-    built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the clients exit when the run
-    ends (else they wait for the next run, as devices do).
+    ``settings``: ``train={...}``, ``algorithm_params={...}``, ``simulation={...}`` and keys of the [clients]
+    section; ``dataset``: a built-in name or a path (`load_dataset`), e.g. an npz subset a test wrote; ``once``: the
+    clients exit when the run ends (else they wait for the next run, as devices do).
     """
     config = make_config(tmp_path, job, clients, rounds, dataset=dataset, **settings)
     config.broker.max_packet_size = link.max_packet_size or 0

@@ -25,7 +25,7 @@ from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from server.assembly import make_orchestrator, split_clients
 from server.config import from_dict
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import NO_DEADLINE_S, LocalBus, LocalLink
 from server.experiments.simulate import client_ids, prepare_shards
 

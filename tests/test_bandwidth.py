@@ -19,8 +19,8 @@ from edge_client.messages import GlobalModel, Update, model_digest
 from edge_client.protocol import ProtocolError, decode, encode
 from server.codec_policy import HEADER_BYTES, CodecPolicy, upload_bytes
 from server.config import ConfigError, from_dict
+from server.datasets import load_dataset
 from server.downlink import Downlink
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 from server.report import summarize

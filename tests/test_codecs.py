@@ -4,6 +4,7 @@ float16 expansion, wire sizes, spec parsing, and the model difference with its h
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -206,3 +207,35 @@ def test_model_difference_rebuilds_the_published_model_and_checks_its_hash() -> 
     assert other.add(held) and not other.add(wrong) and other.missed == wrong.sha256
     short = dataclasses.replace(broadcast, weights=broadcast.weights[:10])  # a difference for another model's size
     assert not other.add(short)
+
+
+# ------------------------------------------------------------------------------------------------ a new codec
+def test_a_new_codec_is_one_class_that_travels_in_a_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 (float32's upper half, truncated), defined here as one class: defining it registers its spec and its
+    descriptor, so an update frame carries it and the receiver's checks and decoding find it."""
+    monkeypatch.setattr(C, "CODECS", dict(C.CODECS))  # registered for this test only
+    monkeypatch.setattr(C, "WIRE_NAMES", dict(C.WIRE_NAMES))
+
+    @dataclasses.dataclass(frozen=True)
+    class Bf16(C.CodecSpec):
+        kind = wire_name = "bf16"
+
+        def wire(self, size: int) -> str:
+            return "bf16"
+
+        def encode(self, x: np.ndarray, rng: np.random.Generator) -> C.Encoded:
+            return C.Encoded("bf16", x.size, ((x.view("<u4") >> 16).astype("<u2"),))
+
+        @classmethod
+        def from_wire(cls, m: re.Match[str], wire: str, size: int) -> C.Layout:
+            return C.Layout(wire, size, ((np.dtype("<u2"), size),), cls)
+
+        @classmethod
+        def decode_parts(cls, lay: C.Layout, parts: list[np.ndarray]) -> np.ndarray:
+            return (parts[0].astype("<u4") << 16).view("<f4")
+
+    x = rng(4).standard_normal(1000).astype(np.float32)
+    assert C.parse("bf16") == Bf16() and C.parse("bf16").nbytes(1000) == 2000
+    got, update = wire_round_trip(x, "bf16")
+    assert update.codecs == {"delta": "bf16"}
+    assert np.array_equal(got.view("<u4"), x.view("<u4") & 0xFFFF0000)  # what truncation keeps, bit for bit

@@ -285,3 +285,31 @@ def test_the_issues_infinite_settings_are_refused_at_load() -> None:
     assert {"train.max_update_norm", "train.max_norm_ratio"} <= {
         k for k, _, f in float_keys(RunConfig()) if f.metadata.get(INF_OFF)
     }
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("threads", 2), ("freeloaders", 0.2), ("attackers", 0.3), ("attack_sigma", 2.0)]
+)
+def test_simulation_keys_moved_from_clients_still_load_with_a_warning_naming_the_new_key(
+    tmp_path: Path, key: str, value: object
+) -> None:
+    """One release reads them where they were: the warning says the new key and where to move it."""
+    path = write(tmp_path, f"[clients]\ncount = 4\n{key} = {value}\n")
+    with pytest.warns(FutureWarning, match=rf"clients\.{key} is now simulation\.{key}: move it to \[simulation\]"):
+        config = load_config(path)
+    assert getattr(config.simulation, key) == value and config.clients.count == 4
+    assert config == from_dict({"clients": {"count": 4}, "simulation": {key: value}})  # the same run either way
+
+
+def test_a_key_given_under_its_old_and_new_name_is_refused_naming_both() -> None:
+    with pytest.raises(ConfigError, match=r"clients\.threads and simulation\.threads are both given.*keep only"):
+        from_dict({"clients": {"threads": 2}, "simulation": {"threads": 3}})
+
+
+def test_simulation_section_is_validated_naming_its_keys() -> None:
+    with pytest.raises(ConfigError, match=r"simulation\.freeloaders must be a fraction in \[0, 1\]; got 1\.5"):
+        from_dict({"simulation": {"freeloaders": 1.5}})
+    with pytest.raises(ConfigError, match=r"simulation\.threads must be an integer >= 1"):
+        override(RunConfig(), simulation__threads=0)
+    with pytest.raises(ConfigError, match=r"unknown key 'simulation\.count'"):
+        from_dict({"simulation": {"count": 3}})  # live keys stay in [clients]

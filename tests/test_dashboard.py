@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from conftest import in_ci, require_mosquitto
+from conftest import in_ci, poll, require_mosquitto
 from PIL import Image
 
 from server.config import ConfigError
@@ -226,14 +226,6 @@ def _metrics_rows(run_dir: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def _poll(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
-
-
 def _not_blank(png: Path) -> None:
     pixels = np.asarray(Image.open(png).convert("RGB"), dtype=np.float32)
     assert pixels.std() > 10, "the screenshot is one flat colour"
@@ -265,7 +257,7 @@ def test_page_follows_a_live_simulation(tmp_path: Path, start, browser) -> None:
         points = [page.locator(f"#chart-{c} circle.point").count() for c in ("rounds", "time")]
         return before >= 2 and points == [before, before] == [_metrics_rows(run_dir)] * 2
 
-    _poll(charts_match_metrics, 60, "the charts show as many points as metrics.jsonl has rounds")
+    poll(charts_match_metrics, 60, "the charts show as many points as metrics.jsonl has rounds")
 
     (victim,) = [p for p in psutil.Process(sim.pid).children() if "client-02" in p.cmdline()]
     victim.kill()  # SIGKILL: the broker publishes its last will

@@ -8,18 +8,9 @@ from conftest import in_ci
 
 from edge_client.data import load_local_data
 from edge_client.models import build_model
-from server.experiments import datasets
-from server.experiments.datasets import (
-    STANDARDIZE,
-    DatasetBundle,
-    DatasetNotInstalled,
-    format_histograms,
-    label_histograms,
-    load_dataset,
-    partition,
-    partition_bundle,
-    write_shards,
-)
+from server import datasets
+from server.datasets import STANDARDIZE, DatasetBundle, DatasetNotInstalled, load_dataset
+from server.experiments.shards import format_histograms, label_histograms, partition, partition_bundle, write_shards
 
 MNIST_TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 

@@ -19,7 +19,7 @@ from test_faults import poll, reported, restart_client
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.simulate import client_ids, stop_clients
 from server.orchestrator import Orchestrator
 
@@ -122,7 +122,7 @@ def test_broker_sigkilled_without_a_snapshot_costs_no_round(
         orch, procs = start_federation(tmp_path, link, lambda cid: (broker.url, broker.devices[cid].password),
                                        "nosnap", 3, 3, round_deadline_s=300.0)  # fmt: skip
         orch.observer = hooks = Hooks()
-        accept = orch._accept
+        accept = orch.dispatch.accept
 
         def accepting(topic: str, sender: str, update: Any) -> None:  # on the orchestrator's thread: no race
             accept(topic, sender, update)
@@ -130,7 +130,7 @@ def test_broker_sigkilled_without_a_snapshot_costs_no_round(
             if state is not None and state.round in (2, 3) and len(state.received) == 1:
                 crash(f"round {state.round}")  # right after the round's first accepted update
 
-        orch._accept = accepting  # type: ignore[method-assign]  # this instance only
+        orch.dispatch.accept = accepting  # type: ignore[method-assign]  # this instance only
         serving = Serving(orch)
         poll(lambda: orch.current is not None, 120, "round 1 to start (every device registered)")
         crash("after registration")

@@ -18,7 +18,7 @@ from conftest import make_config
 
 from edge_client.protocol import read_header
 from edge_client.topics import Topics
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 
@@ -35,7 +35,7 @@ def _strict(text: str) -> Any:
 def test_bytes_and_nan_in_device_facts_and_metrics_are_dropped_the_update_aggregated_the_files_strict_json(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = make_config(tmp_path, "devicemaps", 2, 2, train={"local_steps": 2}, threads=1)
+    config = make_config(tmp_path, "devicemaps", 2, 2, train={"local_steps": 2}, simulation={"threads": 1})
     bundle = load_dataset("digits", seed=0)
     out = Path(config.run.out)
     ids = client_ids(2)

@@ -14,8 +14,8 @@ from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
 from edge_client.messages import Assignment, ModelRequest, model_digest
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
 from edge_client.topics import Topics
+from server.datasets import load_dataset
 from server.distribution import Distribution, split_round
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 
@@ -84,7 +84,9 @@ def test_the_model_is_broadcast_once_per_version_and_sent_on_request_once_per_ro
 def test_a_federation_sends_one_model_per_round(tmp_path: Path) -> None:
     """Four real clients in-process (SCAFFOLD: the model and c go out once): each round's bytes_out is one model
     message plus four assignments, not one model per client."""
-    config = make_config(tmp_path, "egress", 4, 2, train={"algorithm": "scaffold", "local_steps": 2}, threads=1)
+    config = make_config(
+        tmp_path, "egress", 4, 2, train={"algorithm": "scaffold", "local_steps": 2}, simulation={"threads": 1}
+    )
     bundle = load_dataset("digits", seed=0)
     out = Path(config.run.out)
     shards, _ = prepare_shards(bundle, client_ids(4), "iid", 0, out / "shards")

@@ -30,7 +30,7 @@ from edge_client.topics import Topics
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.broker import Broker, BrokerSettings
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 from server.orchestrator import Orchestrator
 from server.rate_limits import LIMITS, RESENDS_PER_ROUND, Limit, RateLimited, RateLimits
@@ -62,7 +62,7 @@ def _orchestrator(tmp_path: Path, bus: LocalBus) -> Orchestrator:
     config = make_config(tmp_path, f"fair{uuid.uuid4().hex[:6]}", 1, 1)
     link = LocalLink(bus, [Topics(config.run.job).all_up])
     orch = make_orchestrator(config, load_dataset("digits", seed=0), tmp_path / "run", link=link)
-    orch.limits.clock = lambda: 0.0  # no refill during the test: the counts are exact
+    orch.dispatch.limits.clock = lambda: 0.0  # no refill during the test: the counts are exact
     return orch
 
 
@@ -74,8 +74,8 @@ def test_a_hello_flood_is_dropped_unhandled_and_counted(tmp_path: Path) -> None:
     device = LocalLink(bus, [orch.topics.down("d0")]).start()
     burst = LIMITS["hello"].burst
     for _ in range(200):
-        orch._handle(orch.topics.up("d0"), Hello(client_id="d0", num_samples=10))
-    orch._handle(orch.topics.up("d1"), Hello(client_id="d1", num_samples=10))
+        orch.dispatch.handle(orch.topics.up("d0"), Hello(client_id="d0", num_samples=10))
+    orch.dispatch.handle(orch.topics.up("d1"), Hello(client_id="d1", num_samples=10))
     assert orch.link.rejections["rate_limited"] == 200 - burst
     acks = []
     while (got := device.receive(0)) is not None:
@@ -96,7 +96,7 @@ def test_one_senders_backlog_does_not_delay_anothers_update(tmp_path: Path) -> N
     orch.link.put(orch.topics.up("d1"), encode(Hello(client_id="d1", num_samples=10)))  # type: ignore[attr-defined]
     handled = 0
     while "d1" not in orch.clients and handled < 100:
-        orch._pump(0)
+        orch.dispatch.pump(0)
         handled += 1
     assert handled == 2 and set(orch.clients) == {"flood", "d1"}
     assert orch.link.rejections["inbox_full"] == 0  # all 25,000 fit: serving in turn, not dropping, let d1 through

@@ -30,11 +30,12 @@ from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
 from server.config import ConfigError, from_dict, load_config, override
+from server.datasets import load_dataset
 from server.deadlines import MAX_DEVICE_S, MIN_S_PER_STEP, DeviceTimes, Prediction, round_deadline
+from server.device_profiles import REFERENCE_S_PER_100, SHIPPED, calibrated, profile_toml
 from server.experiments import cgroups
 from server.experiments.cgroups import PERIOD_US, CpuLimits
-from server.experiments.datasets import load_dataset
-from server.experiments.fleet import REFERENCE_S_PER_100, SHIPPED, Fleet, profile_toml, slowed
+from server.experiments.fleet import Fleet, slowed
 from server.experiments.inprocess import NO_DEADLINE_S, LocalBus, LocalLink, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 from server.fleet_summary import parallel_round_s
@@ -76,8 +77,6 @@ def test_config_fleet_table_profiles_and_the_client_count() -> None:
 
 
 def test_a_calibrated_profile_round_trips_through_the_config() -> None:
-    from server.experiments.fleet import calibrated
-
     profile = calibrated("pi4", 3.0, 0.6)
     assert profile.cpu_share == pytest.approx(0.2) and profile.uplink_mbps == SHIPPED["pi4"].uplink_mbps
     import tomllib

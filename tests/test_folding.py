@@ -20,8 +20,8 @@ from edge_client.models import build_model, num_params
 from edge_client.transport import LinkConfig
 from server.checkpoint import pack_state
 from server.config import from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 from server.orchestrator import Orchestrator

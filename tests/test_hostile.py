@@ -28,7 +28,7 @@ from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import run_inprocess
 
 pytestmark = pytest.mark.integration

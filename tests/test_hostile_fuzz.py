@@ -71,7 +71,7 @@ from edge_client.protocol import encode
 from edge_client.transport import LinkConfig
 from server.broker import Broker
 from server.config import from_dict
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.orchestrator import Orchestrator
 
 pytestmark = pytest.mark.integration
@@ -411,12 +411,12 @@ class Federation:
         self.orch.live.min_interval_s = 0.02  # live.json follows each round closely
         self.orch.observer = self
         self.orch.on_ready = self._hold
-        record = self.orch._record
+        record = self.orch.recorder.record
 
         def record_then_hold(*args: Any) -> bool:
             return record(*args) or self._hold()
 
-        self.orch._record = record_then_hold  # type: ignore[method-assign]  # this instance only
+        self.orch.recorder.record = record_then_hold  # type: ignore[method-assign]  # this instance only
         self.rows: queue.Queue[dict[str, Any]] = queue.Queue()
         self.commands: queue.Queue[str] = queue.Queue()
         self.held = threading.Event()
@@ -456,7 +456,7 @@ class Federation:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
-                self.orch._pump(0.05)
+                self.orch.dispatch.pump(0.05)
                 continue
             self.held.clear()
             if command == ABORT:

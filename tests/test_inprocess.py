@@ -11,7 +11,7 @@ from conftest import make_config, run_simulated
 from edge_client.messages import Presence
 from edge_client.protocol import encode
 from server.broker import Broker
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink
 
 
@@ -26,7 +26,9 @@ def test_inprocess_equals_broker_mode_after_three_rounds(broker: Broker, tmp_pat
     bundle = load_dataset("digits", seed=0)
     results = {}
     for mode in ("broker", "inprocess"):
-        config = make_config(tmp_path, f"eq-{algorithm}-{mode}", 3, 3, train={"algorithm": algorithm}, threads=1)
+        config = make_config(
+            tmp_path, f"eq-{algorithm}-{mode}", 3, 3, train={"algorithm": algorithm}, simulation={"threads": 1}
+        )
         summary, _, _ = run_simulated(mode, config, bundle, broker)
         assert summary["mode"] == mode and summary["rounds"] == 3
         results[mode] = _accuracies(Path(config.run.out))

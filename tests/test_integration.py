@@ -14,7 +14,7 @@ from conftest import CHANCE, Hooks
 
 from edge_client.predictor import Predictor
 from edge_client.topics import Topics
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.simulate import stop_clients
 
 pytestmark = pytest.mark.integration

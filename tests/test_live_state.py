@@ -10,8 +10,8 @@ import numpy as np
 from edge_client.messages import Hello, Presence, Update
 from edge_client.transport import LinkConfig
 from server.config import from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.live_state import LIVE_FILE, LiveState
 from server.orchestrator import Orchestrator
 
@@ -72,11 +72,11 @@ def test_orchestrator_records_what_it_handles(tmp_path: Path) -> None:
     link = LinkConfig("mqtt://127.0.0.1:1")
     orch = Orchestrator(config, link, Evaluator(digits.model, digits.test), digits.model, tmp_path)
     orch.live.start()
-    orch._handle(orch.topics.up("c0"), Hello(client_id="c0", num_samples=10, device={"machine": "armv7l"}))
+    orch.dispatch.handle(orch.topics.up("c0"), Hello(client_id="c0", num_samples=10, device={"machine": "armv7l"}))
     stale = Update(round=9, model_version=0, client_id="c0", num_samples=10, local_steps=1, compute_s=0.1, cpu_s=0.1,
                    train_loss=1.0, delta=np.zeros(4, dtype=np.float32))  # fmt: skip
-    orch._handle(orch.topics.up("c0"), stale)  # no round in progress
-    orch._handle(orch.topics.up("c0"), Presence(client_id="c0", online=False, reason="connection lost"))
+    orch.dispatch.handle(orch.topics.up("c0"), stale)  # no round in progress
+    orch.dispatch.handle(orch.topics.up("c0"), Presence(client_id="c0", online=False, reason="connection lost"))
     orch.live.close()
     state = _read(tmp_path)
     assert state["run"]["algorithm"] == "fedavg" and state["run"]["dataset"] == "digits"
@@ -104,7 +104,7 @@ def test_a_hello_with_bytes_and_nan_in_its_device_facts_does_not_stop_live_json(
     orch.live.start()
     facts = {"machine": "aarch64", "blob": b"\x00\xff", "temp": float("nan"), "big": float("inf"), "x" * 999: 1,
              "nested": {"a": [1, b"\x01", float("-inf")]}, **{f"k{i}": i for i in range(100)}}  # fmt: skip
-    orch._handle(orch.topics.up("c0"), Hello(client_id="c0", num_samples=10, device=facts))
+    orch.dispatch.handle(orch.topics.up("c0"), Hello(client_id="c0", num_samples=10, device=facts))
     orch.live.round_started(1, 0.0, {})
     orch.live.close()
     state = _strict((tmp_path / LIVE_FILE).read_text())

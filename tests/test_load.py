@@ -19,8 +19,8 @@ from edge_client.topics import Topics
 from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
 from server.admission import RoundState
 from server.config import from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.orchestrator import Orchestrator
 
 

@@ -15,8 +15,8 @@ from edge_client.models import (
     num_params,
     set_flat,
 )
+from server.datasets import ArrayDataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import ArrayDataset
 
 
 @pytest.mark.parametrize(("channels", "size"), [(1, 28), (3, 32), (1, 16)])

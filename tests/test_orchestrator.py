@@ -1,6 +1,6 @@
 """Server-side update validation and FedAvg aggregation in-process, then one short run over the real broker.
 
-The in-process tests drive ``Orchestrator._handle`` with message objects (no connection: constructing an
+The in-process tests drive the orchestrator's ``Dispatch.handle`` with message objects (no connection: constructing an
 Orchestrator does not connect) and check the rejection counters and the round's accepted updates (kept without their
 vectors: each is folded into the strategy's round on admission). Each invalid update differs from a valid one in
 exactly one respect, so each test exercises exactly one check.
@@ -32,8 +32,8 @@ from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState
 from server.broker import Broker
 from server.config import RunConfig, from_dict
+from server.datasets import load_dataset
 from server.evaluation import Evaluator
-from server.experiments.datasets import load_dataset
 from server.orchestrator import Orchestrator
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
@@ -73,7 +73,7 @@ def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
     o.num_params = initial_weights(digits.model).size
     use_strategy(o, o.strategy)
     for cid in ("c0", "c1", "c2"):
-        o._handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
+        o.dispatch.handle(o.topics.up(cid), Hello(client_id=cid, num_samples=100))
     open_round(o, RoundState(round=2, model_version=1, selected={"c0", "c1"}, assigned_steps={"c0": 2, "c1": 2}))
     return o
 
@@ -119,7 +119,7 @@ def update(orch: Orchestrator, cid: str, **changes: Any) -> Update:
 
 
 def send(orch: Orchestrator, cid: str, msg: Any) -> None:
-    orch._handle(orch.topics.up(cid), msg)
+    orch.dispatch.handle(orch.topics.up(cid), msg)
 
 
 # ---------------------------------------------------------------------------------------------- update validation
@@ -189,7 +189,7 @@ def test_message_on_a_non_client_topic_is_invalid(orch: Orchestrator, where: str
         "sideways": orch.topics.up("c0")[: -len("up")] + "sideways",
         "other_job": Topics("elsewhere").up("c0"),
     }[where]
-    orch._handle(topic, update(orch, "c0"))
+    orch.dispatch.handle(topic, update(orch, "c0"))
     assert orch.link.rejections == {"invalid_field": 1}
     assert received(orch) == {}
 

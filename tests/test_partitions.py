@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from server.experiments.datasets import partition as reexported
 from server.experiments.partitions import partition
+from server.experiments.shards import partition as reexported
 
 LABELS = np.repeat(np.arange(10), 600)  # MNIST-like: 10 balanced classes, 6000 samples
 SCHEMES = [

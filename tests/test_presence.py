@@ -19,7 +19,7 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.broker import Broker
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 
 pytestmark = pytest.mark.integration
 

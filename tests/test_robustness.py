@@ -1,8 +1,8 @@
 """Byzantine and lazy clients over a real mosquitto with real `edge-client` processes (edgefl issue 7).
 
-- DRAG-BR: 4 of 10 clients upload ``p * delta`` with ``p ~ N(0, 3)`` every round (``clients.attackers``); the final
+- DRAG-BR: 4 of 10 clients upload ``p * delta`` with ``p ~ N(0, 3)`` every round (``simulation.attackers``); the final
   accuracy stays within 2 points of the same run without attackers (DRAG, Sec. IV-C, EMNIST with A = 4).
-- TACO: 8 of 20 clients are freeloaders (``clients.freeloaders``); with kappa = 0.6 and lambda = T/5 all of them are
+- TACO: 8 of 20 clients are freeloaders (``simulation.freeloaders``); with kappa = 0.6 and lambda = T/5 all of them are
   expelled and no honest client is (TACO Table VIII: TPR 100 %, FPR 0 %).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import Hooks
 
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.experiments.simulate import behaviours
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,7 @@ def drag_br_run(federation: Any, dataset: str, job: str, attackers: float) -> di
         dataset=dataset,
         train=DRAG_TRAIN,
         algorithm_params={"root_size": 3000},
-        attackers=attackers,
+        simulation={"attackers": attackers},
     )
     hooks = Hooks()
     orch.observer = hooks
@@ -83,7 +83,7 @@ def test_taco_expels_all_eight_freeloaders_of_twenty_and_no_honest_client(federa
         train={"algorithm": "taco", "local_steps": 100, "batch_size": 64, "lr": 0.01},
         algorithm_params={"kappa": 0.6, "lambda_expel": 0},  # 0: T/5 with T from run.rounds
         partition="taco-groups",  # the paper's label-diversity groups (honest clients 4/4/4)
-        freeloaders=0.4,
+        simulation={"freeloaders": 0.4},
     )
     hooks = Hooks()
     orch.observer = hooks

@@ -199,19 +199,20 @@ def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_d
 
 
 # ------------------------------------------------------------------------------------------------- whole rounds
-@pytest.mark.parametrize("algorithm", ["fedavg", "fednova"])
+@pytest.mark.parametrize("algorithm, dp", [("fedavg", False), ("fednova", False), ("fedavg", True)])
 def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, dp: bool
 ) -> None:
     """The real runtime and server over the in-process bus: each device's delta and steps as trained (recorded by its
     training function), its weight as assigned (``begin``'s terms) and the ring sum the server unmasked (recorded as
-    ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their data size)."""
+    ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their data size);
+    with central DP the devices' noise shares are in their deltas (added in training, before masking)."""
     from conftest import make_config, make_update
 
     import server.experiments.inprocess as inprocess
     import server.secagg.stages as stages
     from edge_client.trainer import train_local
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
     from server.experiments.simulate import client_ids, prepare_shards
     from server.strategies import TrainSettings, make_strategy
 
@@ -240,6 +241,8 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     monkeypatch.setattr(stages, "unmask", unmasked)
     monkeypatch.setattr(stages.SecureRounds, "begin", begun)
     privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2}
+    if dp:  # central DP with its noise added by the devices in shares (docs/privacy.md): in the deltas recorded
+        privacy |= {"mode": "central", "noise_multiplier": 0.5}
     train = {"local_steps": 5, "algorithm": algorithm}
     params = {"epochs": 0.178} if algorithm == "fednova" else {}  # tau_i = floor(0.178 D_i / 32): 2 or 1
     config = make_config(tmp_path, "secagg-inproc", 4, 2, train=train, algorithm_params=params, privacy=privacy)

@@ -23,7 +23,7 @@ from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate,
 from edge_client.trainer import plan_for, train_local
 from server.broker import Broker
 from server.config import ConfigError, EvalSection
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 from server.federated_eval import EvalRound, FederatedEvaluation
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
 from server.target import Target, eval_mode, run_target
@@ -263,7 +263,9 @@ def test_a_simulated_fleet_trains_the_users_model_and_both_evaluate(
     y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1 * rng.normal(size=400)).astype(np.float32)
     np.savez(tmp_path / "linear.npz", x_train=x[:300], y_train=y[:300], x_test=x[300:], y_test=y[300:])
     model = {"factory": f"{name}:build", "width": 8, "input_shape": [3]}
-    config = make_config(tmp_path, f"own-{mode}", 3, 3, dataset=str(tmp_path / "linear.npz"), model=model, threads=1)
+    config = make_config(
+        tmp_path, f"own-{mode}", 3, 3, dataset=str(tmp_path / "linear.npz"), model=model, simulation={"threads": 1}
+    )
     config.task = {"factory": f"{name}:huber_task"}
     config.eval.mode, config.eval.every, config.eval.holdout = "both", 2, 0.2
     summary, ids, shards = run_simulated(mode, config, load_dataset(config.data.dataset, seed=0), broker)

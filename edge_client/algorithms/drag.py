@@ -29,6 +29,10 @@ CONTRACT = Contract(
     ),
     needs="per_device",
     needs_why="each update's divergence from the reference direction",
+    dp_refusal=(
+        "it scales each device's update by its own divergence from the reference "
+        "direction, a per-device statistic the noise does not cover"
+    ),
 )  # fmt: skip
 
 

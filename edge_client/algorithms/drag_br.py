@@ -26,6 +26,10 @@ CONTRACT = Contract(
     ),
     needs="per_device",
     needs_why="each update's divergence from the root data set's direction",
+    dp_refusal=(
+        "it scales each device's update by its own divergence from the "
+        "root reference, a per-device statistic the noise does not cover"
+    ),
 )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ CONTRACT = Contract(
     ),
     sends=(Array("centre", "the look-ahead model as prox centre (taco_literal mode)", required=False,
                  scope="global"),),
+    dp_refusal="", dp_requires=(("weighting", "uniform"),),
 )  # fmt: skip
 
 

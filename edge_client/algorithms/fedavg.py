@@ -9,6 +9,8 @@ CONTRACT = Contract(
     "fedavg",
     "K local SGD steps per client; the server averages the updates",
     settings=(weighting("uniform"),),
+    dp_refusal="",
+    dp_requires=(("weighting", "uniform"),),
 )
 
 

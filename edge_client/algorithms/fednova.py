@@ -20,6 +20,7 @@ CONTRACT = Contract(
     ),
     unequal_steps=True,
     needs="mean_per_step",
+    dp_refusal="", dp_requires=(("local_steps_mode", "fixed"),),  # tau_i from D_i: a per-device release
 )  # fmt: skip
 
 

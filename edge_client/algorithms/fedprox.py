@@ -23,6 +23,8 @@ CONTRACT = Contract(
     "fedprox",
     "FedAvg with a proximal term zeta/2 ||w - w_t||^2 in each client's local objective",
     settings=(ZETA, weighting("uniform")),
+    dp_refusal="",
+    dp_requires=(("weighting", "uniform"),),
 )
 
 

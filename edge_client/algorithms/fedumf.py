@@ -39,6 +39,10 @@ CONTRACT = Contract(
     ),
     sends_values=(Value("lr_prev", "eta_{t-1}, for the fusion factor alpha eta_t / eta_{t-1}", low=0.0,
                         example=0.01),),
+    dp_refusal=(
+        "it picks a fixed-size sample itself (the rest train without "
+        "uploading), not the Poisson sample the accountant counts"
+    ),
 )  # fmt: skip
 
 

@@ -18,6 +18,10 @@ CONTRACT = Contract(
     ),
     needs="per_device",
     needs_why="the pairwise similarities of devices' updates",
+    dp_refusal=(
+        "its weights come from the pairwise similarities of the devices' "
+        "own updates, a per-device statistic the noise does not cover"
+    ),
 )  # fmt: skip
 
 

@@ -40,6 +40,7 @@ CONTRACT = Contract(
     returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half"),),
     needs="sums",
     needs_why="the weighted mean of the momenta v",
+    dp_refusal="", dp_requires=(("weighting", "uniform"),),
 )  # fmt: skip
 
 

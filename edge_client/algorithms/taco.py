@@ -82,6 +82,10 @@ CONTRACT = Contract(
     uses_alpha=True,
     needs="per_device",
     needs_why="each device's alpha_i from its own update, and freeloader expulsion",
+    dp_refusal=(
+        "TACO's alpha_i is computed from each device's own update and "
+        "sent back to it: a per-device release the noise does not cover"
+    ),
 )  # fmt: skip
 
 
@@ -100,6 +104,7 @@ def tailored_contract(base: Contract, description: str) -> Contract:
     return dataclasses.replace(
         base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True,
         needs="per_device", needs_why="each device's alpha_i from its own update",
+        dp_refusal=CONTRACT.dp_refusal, dp_requires=(),
     )  # fmt: skip
 
 

@@ -60,12 +60,13 @@ class Address:
     token: str | None
 
     @classmethod
-    def parse(cls, text: str) -> Address:
-        """``HOST:PORT`` (``[::1]:8050`` for IPv6; port 0 for a free one); a token unless HOST is loopback."""
+    def parse(cls, text: str, flag: str = FLAG) -> Address:
+        """``HOST:PORT`` (``[::1]:8050`` for IPv6; port 0 for a free one) given to ``flag``; a token unless HOST is
+        loopback."""
         host, sep, port = text.rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"{FLAG} expects HOST:PORT, e.g. {FLAG} 127.0.0.1:8050; got {text!r}")
+            raise ConfigError(f"{flag} expects HOST:PORT, e.g. {flag} 127.0.0.1:8050; got {text!r}")
         return cls(host, int(port), None if is_loopback(host) else secrets.token_urlsafe(24))
 
     def url(self, port: int) -> str:

@@ -95,6 +95,7 @@ class RunView:
         self._points: list[list[float]] = []  # [round, elapsed_s, accuracy]
         self._rejected: dict[str, int] = {}
         self._clients: dict[str, _ClientRounds] = {}
+        self._epsilon: float | None = None  # the privacy budget spent so far ([privacy]; None: no DP)
         self._stamp: tuple[Any, ...] | None = None
         self._cached: bytes = b"{}"
 
@@ -131,6 +132,7 @@ class RunView:
             "clients": self._client_rows(live),
             "timeline": timeline[0] if timeline else None,  # its mtime: the page reloads the image when it changes
             "updated_at": live.get("updated_at"),
+            "epsilon": self._epsilon,
         }
 
     # -- files -------------------------------------------------------------------------------------------------------
@@ -182,10 +184,11 @@ class RunView:
         return rows, len(complete)
 
     def _reset(self) -> None:
-        self._offset, self._points, self._rejected, self._clients = 0, [], {}, {}
+        self._offset, self._points, self._rejected, self._clients, self._epsilon = 0, [], {}, {}, None
 
     def _add_row(self, row: dict[str, Any]) -> None:
         self._points.append([row["round"], _num(row.get("elapsed_s")) or 0.0, _num(row.get("accuracy")) or 0.0])
+        self._epsilon = _num(row.get("epsilon"))
         for reason, count in _counts(row.get("rejected")).items():
             self._rejected[reason] = self._rejected.get(reason, 0) + count
         reports = row.get("clients") if isinstance(row.get("clients"), dict) else {}

@@ -1,6 +1,6 @@
-"""What only experiments use: packaged data sets and their partitions, simulated fleets (client processes behind a
-broker, or clients in-process on a local bus), dishonest clients, and bench suites with their tables.
+"""What only experiments use: data sets partitioned into simulated clients' shards, simulated fleets (client processes
+behind a broker, or clients in-process on a local bus), dishonest clients, and bench suites with their tables.
 
-The server's runtime (orchestrator, strategies, admission, checkpoints, broker, reports) never needs this package to
-serve real devices, except to load a data set for server-side evaluation when one is configured.
+The server's runtime (orchestrator, strategies, admission, checkpoints, broker, data sets, reports) never imports this
+package (tests/test_rooms.py checks it): ``edge-server run`` serves real devices without it.
 """

@@ -34,9 +34,9 @@ from edge_client.trainer import prepare_process
 from edge_client.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.config import RunConfig
+from server.datasets import DatasetBundle
 from server.deadlines import DeviceTimes
 from server.experiments.attacks import behaviour
-from server.experiments.datasets import DatasetBundle
 from server.experiments.fleet import DeviceFacts, Fleet, fleet_of, slowed
 from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver
@@ -162,7 +162,7 @@ def run_inprocess(
     """
     clients = dataclasses.replace(config.clients, round_deadline_s=NO_DEADLINE_S, deadline_factor=0.0)
     config = dataclasses.replace(config, clients=clients)
-    prepare_process(config.clients.threads)
+    prepare_process(config.simulation.threads)
     roles = behaviours(config)
     bus = LocalBus()
     ids = client_ids(config.clients.count)
@@ -180,7 +180,7 @@ def run_inprocess(
             data,
             None,
             job=config.run.job,
-            threads=config.clients.threads,
+            threads=config.simulation.threads,
             state_dir=state_dirs[cid],
             link_factory=bus.connect,
             train=slowed(train, profiles[cid], facts) if facts else train,

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 
 from edge_client.transport import LinkConfig
 from server.assembly import split_clients
-from server.experiments.datasets import DatasetBundle, load_dataset
+from server.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess
 from server.experiments.matched_steps import matched, source_record
 from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes

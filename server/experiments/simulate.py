@@ -30,15 +30,10 @@ from edge_client.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.checkpoint import resumes
 from server.config import RunConfig
+from server.datasets import DatasetBundle
 from server.experiments.cgroups import CpuLimits
-from server.experiments.datasets import (
-    DatasetBundle,
-    format_histograms,
-    label_histograms,
-    partition_bundle,
-    write_shards,
-)
 from server.experiments.fleet import EMULATED_THROTTLED, Fleet, fleet_of
+from server.experiments.shards import format_histograms, label_histograms, partition_bundle, write_shards
 from server.orchestrator import RoundObserver
 
 log = logging.getLogger("edgefl.simulate")
@@ -72,15 +67,15 @@ def prepare_shards(
 def behaviours(config: RunConfig) -> dict[str, str]:
     """Which simulated clients misbehave: freeloaders are the last ids, scaling attackers the ones before them."""
     ids = client_ids(config.clients.count)
-    n_free = round(config.clients.freeloaders * len(ids))
-    n_att = round(config.clients.attackers * len(ids))
+    n_free = round(config.simulation.freeloaders * len(ids))
+    n_att = round(config.simulation.attackers * len(ids))
     if n_free + n_att > len(ids):
-        raise ValueError("clients.freeloaders + clients.attackers must not exceed 1")
+        raise ValueError("simulation.freeloaders + simulation.attackers must not exceed 1")
     out = dict.fromkeys(ids, "honest")
     for cid in ids[len(ids) - n_free :] if n_free else []:
         out[cid] = "freeloader"
     for cid in ids[len(ids) - n_free - n_att : len(ids) - n_free] if n_att else []:
-        out[cid] = f"scale:{config.clients.attack_sigma}"
+        out[cid] = f"scale:{config.simulation.attack_sigma}"
     return out
 
 
@@ -142,7 +137,7 @@ def start_clients(
     log_dir = out_dir / "clients"
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen] = {}
-    threads = str(config.clients.threads)
+    threads = str(config.simulation.threads)
     roles = behaviours(config)
     ids = client_ids(config.clients.count)
     fleet = fleet_of(config, ids)

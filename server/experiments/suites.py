@@ -1,7 +1,7 @@
 """Benchmark suites: a base run configuration and the grid of algorithms x partitions x seeds (x variants) to run on it.
 
 A suite is a TOML file: the sections of a run configuration (``[run]``, ``[clients]``, ``[data]``, ``[train]``,
-``[model]``, ``[algorithm.NAME]``) plus a ``[bench]`` section::
+``[model]``, ``[algorithm.NAME]``, ``[simulation]``) plus a ``[bench]`` section::
 
     [bench]
     description = "TACO Table V, FMNIST column"

@@ -181,6 +181,8 @@ function render() {
   setText("round", run.rounds ? `${s.rounds_done} of ${run.rounds} done` : String(s.rounds_done));
   setText("elapsed", fmtSeconds(elapsed(s)));
   setText("best", fmt(s.best_accuracy, 4));
+  document.getElementById("privacy").hidden = s.epsilon === null || s.epsilon === undefined;
+  setText("epsilon", fmt(s.epsilon, 3));
   const target = run.target ?? null;
   const reached = s.reached ? `, reached in round ${s.reached.round} at ${fmtSeconds(s.reached.elapsed_s)}` : "";
   setText("target", target === null ? DASH : `${target.toFixed(2)}${reached}`);

