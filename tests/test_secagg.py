@@ -387,3 +387,46 @@ def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> N
     r.asked["a"], r.stage = ({"a"}, {"b"}), "unmask"
     with pytest.raises(StageRefused, match="not asked"):
         rounds.take("a", M.SecAggReveal(1, "a", [["c", True, bytes(66)]], "run"))
+
+
+def test_a_plain_update_in_a_secure_run_is_refused_and_the_round_goes_on(tmp_path: Path) -> None:
+    """A device answering a secure assignment with a plain update (bypassing the masking) beside two honest runtimes
+    on the in-process bus: the update is refused (``secagg_message``), never folded, and each round aggregates the
+    two honest devices securely."""
+    from fakes import FakeDevice, device_topics, zero_update
+
+    from edge_client.data import load_local_data
+    from edge_client.protocol import encode
+    from edge_client.runtime import EdgeClient
+    from edge_client.topics import Topics
+    from server.assembly import make_orchestrator
+    from server.config import from_dict
+    from server.datasets import load_dataset
+    from server.experiments.inprocess import NO_DEADLINE_S, LocalBus, LocalLink
+    from server.experiments.simulate import client_ids, prepare_shards
+
+    config = from_dict({
+        "run": {"rounds": 2, "out": str(tmp_path), "job": "plain"},
+        "clients": {"count": 3, "round_deadline_s": NO_DEADLINE_S, "register_timeout_s": 30.0},
+        "data": {"dataset": "digits"},
+        "train": {"algorithm": "fedavg", "local_steps": 2, "batch_size": 16},
+        "model": {"name": "mlp", "in_features": 64, "num_classes": 10, "hidden": [8]},
+        "privacy": {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2},
+    })  # fmt: skip
+    bundle = load_dataset("digits")
+    shards, _ = prepare_shards(bundle, client_ids(2), "iid", 0, tmp_path / "shards")
+    bus, topics = LocalBus(), Topics("plain")
+    plain = FakeDevice(None, topics, "plain", 100, lambda a: [encode(zero_update(a, "plain", 100))])  # type: ignore[arg-type]
+    plain.link = bus.connect(device_topics(topics, "plain"), plain.hello)
+    bus.add_client(plain)
+    for cid, shard in zip(client_ids(2), shards, strict=True):
+        bus.add_client(EdgeClient(cid, load_local_data(shard), None, job="plain", link_factory=bus.connect))
+    summary = make_orchestrator(
+        config, bundle, tmp_path, link=LocalLink(bus, [topics.all_up], drives_clients=True)
+    ).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(plain.assignments) == 2 and all(a.secure for a in plain.assignments)
+    assert summary["rejected"] == {"secagg_message": 2} and summary["secure_rounds"] == 2
+    for row in rows:
+        assert set(row["clients"]) == {"client-00", "client-01"} and row["secure"]["masked"] == 2
+        assert row["failed"] == {"plain": "rejected: secagg_message"}
