@@ -407,9 +407,12 @@ class EdgeClient:
                 self._fail(a.round, a.run_id, "secure_unavailable", exc, a.deadline_s)
                 return False
             publish = lambda msg: self.link.publish(self.topics.up(self.client_id), encode(msg))  # noqa: E731
-            self._secure = SecureClient(self.client_id, publish, self._fail)
+            self._secure = SecureClient(self.client_id, publish, self._fail, self._uploaded_securely)
         self._secure.start(a)
         return True
+
+    def _uploaded_securely(self) -> None:
+        self.rounds_done += 1
 
     def _serve(self, assignment: Assignment) -> None:
         run, served, msg_id = self.served
@@ -480,9 +483,8 @@ class EdgeClient:
                        "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
             self._secure.trained(result.delta, scalars, algorithm.contract.needs == "mean_per_step")
             self._mark_served(assignment)
-            self.rounds_done += 1
-            log.info("round %d: %d steps in %.3f s, loss %.4f; aggregated securely", assignment.round,
-                     result.local_steps, result.compute_s, result.train_loss)  # fmt: skip
+            log.info("round %d: %d steps in %.3f s, loss %.4f; the masked input follows the secure stages",
+                     assignment.round, result.local_steps, result.compute_s, result.train_loss)  # fmt: skip
             return
         t0 = time.perf_counter()
         try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved

@@ -41,10 +41,14 @@ Fail = Callable[[int, str, str, BaseException, float], None]
 
 
 class SecureClient:
-    def __init__(self, client_id: str, publish: Callable[[Message], int], fail: Fail) -> None:
+    def __init__(
+        self, client_id: str, publish: Callable[[Message], int], fail: Fail, uploaded: Callable[[], None]
+    ) -> None:
+        """``uploaded``: called once a round's masked input is sent (the runtime counts its rounds served)."""
         self.client_id = client_id
         self.publish = publish
         self.fail = fail
+        self.uploaded = uploaded
         self.round: DeviceRound | None = None
         self.assignment: Assignment | None = None
         self.quantised: np.ndarray | None = None
@@ -112,3 +116,4 @@ class SecureClient:
             )
         )
         self.quantised = None
+        self.uploaded()
