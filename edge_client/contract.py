@@ -149,6 +149,22 @@ def weighting(default: str) -> Setting:
     )  # fmt: skip
 
 
+NEEDS = ("mean", "mean_per_step", "sums", "per_device")  # Contract.needs
+CARRIED = ("mean", "mean_per_step")  # what secure aggregation carries
+
+
+def secure_refusal(contract: Contract) -> str:
+    """Why secure aggregation cannot carry ``contract``'s algorithm ("" when it can)."""
+    if contract.needs in CARRIED:
+        return ""
+    if contract.needs == "sums":
+        return (
+            f"{contract.name} needs only sums, but of more than one vector ({contract.needs_why}); this version's "
+            "secure aggregation masks the delta alone"
+        )
+    return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
+
+
 #: What a DP-compatible contract also accepts (docs/privacy.md): the clip norm and the device's noise std sent in the
 #: assignment's settings, and whether the update was within the clip norm (adaptive clipping's count) sent back.
 DP_SENDS = (
@@ -166,7 +182,11 @@ class Contract:
     ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
     normalises each update by the steps its client took, so clients may be told different step counts.
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
-    them but never raise them.
+    them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
+    secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
+    ``mean_per_step`` (only the weighted mean of each delta divided by its steps, and the steps: carried, each device
+    divides before masking), ``sums`` (only weighted sums, of more than that: not carried by this version) or
+    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two.
     """
 
     name: str
@@ -179,6 +199,8 @@ class Contract:
     uses_alpha: bool = False
     unequal_steps: bool = False
     adaptive_steps: bool = False
+    needs: str = "mean"
+    needs_why: str = ""
     # Differential privacy: "" when the server half releases nothing derived from device data but its running sums
     # (which server/dp noises), else why it refuses DP; dp_requires: (setting, value) pairs DP needs, e.g. weighting
     dp_refusal: str = "its server half has not been checked for differential privacy"
@@ -191,6 +213,8 @@ class Contract:
                     low=0.0, low_open=True, inf_disables=True)
             for a in self.returns
         )  # fmt: skip
+        if self.needs not in NEEDS or (self.needs in CARRIED) == bool(self.needs_why):
+            raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not {CARRIED}")
         settings = self.settings + bounds
         names = [s.name for s in settings] + [v.name for v in self.sends_values]
         if len(set(names)) != len(names):

@@ -21,6 +21,7 @@ from edge_client.schema import (
     Check,
     FreeMap,
     Schema,
+    binary,
     blob,
     integer,
     is_int,
@@ -28,10 +29,13 @@ from edge_client.schema import (
     names,
     number,
     on_wire,
+    rows,
     schema_of,
     text,
     vector,
 )
+from edge_client.secagg.shamir import SHARE_BYTES
+from edge_client.secagg.wire import KEY_BYTES, MAX_NEIGHBOURS, SEALED_BYTES, SECURE_TERMS
 from edge_client.topics import CLIENT_ID_RE
 
 DTYPE = "<f4"  # the only array dtype on the wire
@@ -163,6 +167,8 @@ class Assignment:
     global_arrays: list[str] = on_wire(names(), key="globals", factory=list)  # the GlobalModel's arrays it uses
     codec: str = on_wire(CODEC, default="fp32")  # the codec this device uploads with (edge_client.codecs)
     task: dict[str, Any] = on_wire(MAPPING, factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
+    # secure aggregation's terms for this device (docs/secure-aggregation.md); empty: the round uploads in the clear
+    secure: dict[str, Any] = on_wire(SECURE_TERMS, factory=dict)
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
     EVERY_FIELD_REQUIRED: ClassVar[bool] = True  # the defaults serve the strategy that starts one, not the wire
@@ -426,6 +432,114 @@ class Refusal:
     TYPE: ClassVar[str] = "refusal"
 
 
+# ---- secure aggregation (issue 26, docs/secure-aggregation.md): a round's stages, relayed by the server ----------
+SECURE_ROUND = "a round this device was assigned securely, else out_of_round"
+ENCRYPTED_SHARES = rows(MAX_NEIGHBOURS, CID, binary(SEALED_BYTES))
+
+
+@dataclass
+class SecAggKeys:
+    """Device -> server, stage 1: the round's two public keys (share encryption, mask agreement)."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    enc_key: bytes = on_wire(binary(KEY_BYTES), note="one advert per device and round, else duplicate")
+    mask_key: bytes = on_wire(binary(KEY_BYTES))
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_keys"
+
+
+@dataclass
+class SecAggRoster:
+    """Server -> one device: its neighbours' public keys ``[id, enc_key, mask_key]`` and the sharing threshold."""
+
+    round: int = on_wire(NONNEG)
+    threshold: int = on_wire(integer(1, MAX_NEIGHBOURS + 1))
+    neighbours: list[list[Any]] = on_wire(rows(MAX_NEIGHBOURS, CID, binary(KEY_BYTES), binary(KEY_BYTES)))
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_roster"
+
+
+@dataclass
+class SecAggShares:
+    """Device -> server, stage 2: its commitment to its self-mask seed, and ``[holder, sealed]`` for each neighbour
+    (its two Shamir shares, AES-GCM encrypted for that neighbour alone)."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    commitment: str = on_wire(SHA256)
+    shares: list[list[Any]] = on_wire(
+        ENCRYPTED_SHARES, note="holders: exactly its roster's neighbours, else secagg_shares"
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_shares"
+
+
+@dataclass
+class SecAggRelay:
+    """Server -> one device: ``[owner, sealed]``, the shares its neighbours encrypted for it; it masks with them."""
+
+    round: int = on_wire(NONNEG)
+    shares: list[list[Any]] = on_wire(ENCRYPTED_SHARES)
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_relay"
+
+
+@dataclass
+class MaskedInput:
+    """Device -> server, stage 3: its clipped, weighted, quantised update plus its masks (``data``: little-endian
+    uint32 ring elements, one per parameter), with the round's scalars an ``Update`` carries."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    model_version: int = on_wire(NONNEG, note="the round's model version, else model_version")
+    client_id: str = on_wire(CID, note=SENDER)
+    local_steps: int = on_wire(NONNEG, note="the steps it was assigned, else steps")
+    compute_s: float = on_wire(number(0.0))
+    cpu_s: float = on_wire(number(0.0))
+    train_loss: float = on_wire(number(finite=False))
+    data: memoryview | bytes = blob("4 bytes per model parameter (any values: masked), else shape")
+    metrics: dict[str, Any] = on_wire(
+        FreeMap(max_bytes=8192, nested=True), factory=dict, note="stored in metrics.jsonl and the dashboard"
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    dropped: list[tuple[str, str]] = _dropped()
+    TYPE: ClassVar[str] = "masked_input"
+
+
+@dataclass
+class SecAggUnmask:
+    """Server -> one device, stage 4: which of its neighbours (and itself) sent a masked input and which dropped."""
+
+    round: int = on_wire(NONNEG)
+    survivors: list[str] = on_wire(names(MAX_NEIGHBOURS + 1))
+    dropped: list[str] = on_wire(names(MAX_NEIGHBOURS))
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_unmask"
+
+
+@dataclass
+class SecAggReveal:
+    """Device -> server, stage 4: ``[owner, is_seed, share]``: its share of a survivor's self-mask seed or of a
+    dropped device's mask key."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    shares: list[list[Any]] = on_wire(
+        rows(MAX_NEIGHBOURS + 1, CID, FLAG, binary(SHARE_BYTES)),
+        note="owners it holds shares of, each as the server asked, else secagg_reveal; a wrong share fails its "
+        "secret's check and is outvoted, else the round is dropped",
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_reveal"
+
+
 Message = (
     Hello
     | Assignment
@@ -442,11 +556,32 @@ Message = (
     | Ack
     | Resync
     | ComputeReport
+    | SecAggKeys
+    | SecAggRoster
+    | SecAggShares
+    | SecAggRelay
+    | MaskedInput
+    | SecAggUnmask
+    | SecAggReveal
 )
 #: Every message type on the wire (chunks too) by its type name, with what the framing needs of it.
 SCHEMAS: dict[str, Schema] = {c.TYPE: schema_of(c) for c in (*get_args(Message), Chunk)}
 #: What a device may send (the server refuses the other types from a device).
-FROM_DEVICES = (Hello, Presence, Update, Failure, ModelRequest, ComputeReport, Evaluation, Resync, Chunk)
+FROM_DEVICES = (
+    Hello,
+    Presence,
+    Update,
+    Failure,
+    ModelRequest,
+    ComputeReport,
+    Evaluation,
+    Resync,
+    Chunk,
+    SecAggKeys,
+    SecAggShares,
+    MaskedInput,
+    SecAggReveal,
+)
 
 
 def device_fields_table() -> str:

@@ -26,8 +26,9 @@ from edge_client.schema import FreeMap, Schema, is_int, short
 log = logging.getLogger(__name__)
 
 # 2: assignments carry settings (the contract's), momentum, weight decay and the run id; 3: updates carry overhead_s,
-# TACO's global_delta is w_{t-1} - w_t unscaled (the accumulated correction), device maps are declared and bounded
-PROTOCOL_VERSION = 3
+# TACO's global_delta is w_{t-1} - w_t unscaled (the accumulated correction), device maps are declared and bounded;
+# 4: assignments carry secure aggregation's terms, and its stages' seven message types (edge_client.secagg)
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 65536
 _U8 = "|u1"  # chunk payload bytes
 

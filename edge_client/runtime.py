@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -41,6 +41,9 @@ from edge_client.messages import (
     Presence,
     Refusal,
     Resync,
+    SecAggRelay,
+    SecAggRoster,
+    SecAggUnmask,
     Stop,
     Update,
 )
@@ -52,6 +55,9 @@ from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
 from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
+
+if TYPE_CHECKING:  # imported when a round is secure: it needs the optional cryptography package
+    from edge_client.secagg.client import SecureClient
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +142,7 @@ class EdgeClient:
         self.models = ModelCache()
         self.model_wait_s = model_wait_s
         self._waiting: Waiting | None = None
+        self._secure: SecureClient | None = None  # once a round is secure (it needs the `secure` extra)
         subscriptions = [
             self.topics.down(self.client_id),
             self.topics.broadcast,
@@ -254,6 +261,8 @@ class EdgeClient:
             self._serve(msg)
         elif isinstance(msg, Evaluate):
             self._evaluate(msg)
+        elif isinstance(msg, (SecAggRoster, SecAggRelay, SecAggUnmask)) and self._secure is not None:
+            self._secure.handle(msg)
         if waited is not None and self.session.admit(waited):
             self._serve(waited)
         return True
@@ -388,6 +397,23 @@ class EdgeClient:
         np.savez(tmp, **state)
         os.replace(tmp, path)
 
+    def _start_secure(self, a: Assignment) -> bool:
+        """Advertise this round's keys before training; False (reported) when this device cannot aggregate securely
+        (the ``secure`` extra is not installed)."""
+        if self._secure is None:
+            try:
+                from edge_client.secagg.client import SecureClient
+            except ImportError as exc:
+                self._fail(a.round, a.run_id, "secure_unavailable", exc, a.deadline_s)
+                return False
+            publish = lambda msg: self.link.publish(self.topics.up(self.client_id), encode(msg))  # noqa: E731
+            self._secure = SecureClient(self.client_id, publish, self._fail, self._uploaded_securely)
+        self._secure.start(a)
+        return True
+
+    def _uploaded_securely(self) -> None:
+        self.rounds_done += 1
+
     def _serve(self, assignment: Assignment) -> None:
         run, served, msg_id = self.served
         stale = assignment.round < served - 1 or (assignment.round == served and assignment.msg_id == msg_id)
@@ -412,6 +438,8 @@ class EdgeClient:
             plan = plan_for(assignment, algorithm, model.size)
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
             self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
+            return
+        if assignment.secure and assignment.upload and not self._start_secure(assignment):
             return
         if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
             self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
@@ -441,6 +469,23 @@ class EdgeClient:
             )
             return
 
+        metrics = {
+            "threads": self.threads,
+            "before": before,
+            "after": after,
+            "round": device.summarise(before, after),
+            "bytes_down": bytes_down,
+            "last_upload": self._last_upload,
+        }
+        if self._secure is not None and assignment.secure:  # no update: the masked input goes in the stages
+            self._save_state(assignment.algorithm, algorithm)
+            scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
+                       "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
+            self._secure.trained(result.delta, scalars, algorithm.contract.needs == "mean_per_step")
+            self._mark_served(assignment)
+            log.info("round %d: %d steps in %.3f s, loss %.4f; the masked input follows the secure stages",
+                     assignment.round, result.local_steps, result.compute_s, result.train_loss)  # fmt: skip
+            return
         t0 = time.perf_counter()
         try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved
             delta, arrays = self.uplink.encode(assignment, algorithm, result.delta, result.arrays)
@@ -464,14 +509,7 @@ class EdgeClient:
             overhead_s=result.overhead_s,
             train_loss=result.train_loss,
             delta=delta,
-            metrics={
-                "threads": self.threads,
-                "before": before,
-                "after": after,
-                "round": device.summarise(before, after),
-                "bytes_down": bytes_down,
-                "last_upload": self._last_upload,
-            },
+            metrics=metrics,
             extras=result.extras,
             arrays=arrays,
             run_id=assignment.run_id,

@@ -96,6 +96,27 @@ def text(pattern: str | None = None, *, max_len: int | None = None, choices: tup
     return Check("str", bound, f"a str {bound}".rstrip(), ok)
 
 
+def binary(size: int) -> Check:
+    """Raw bytes of exactly ``size`` (a key, a commitment's preimage never: those are hex text)."""
+    return Check("bin", f"{size} bytes", f"{size} bytes", lambda v: isinstance(v, bytes) and len(v) == size)
+
+
+def rows(count: int, *columns: Check) -> Check:
+    """A list of at most ``count`` rows, each a list of one value per column; the first column (an id) distinct."""
+    bound = f"<= {count} rows [{', '.join(c.expected for c in columns)}], first column distinct"
+
+    def ok(v: Any) -> bool:
+        if not isinstance(v, list) or len(v) > count:
+            return False
+        good = all(
+            isinstance(r, list) and len(r) == len(columns) and all(c.ok(x) for c, x in zip(columns, r, strict=True))
+            for r in v
+        )
+        return good and len({r[0] for r in v}) == len(v)
+
+    return Check("list", bound, f"a list of {bound}", ok)
+
+
 FLAG = Check("bool", "", "a bool", lambda v: isinstance(v, bool))
 MAPPING = Check(  # a map the server sends (its own spec, settings): its content is checked where it is used
     "map", "str keys", "a map with str keys", lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v)

@@ -17,7 +17,8 @@
 [simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 [privacy]    mode = off | central | local, clip_norm, noise_multiplier, target_epsilon, delta, adaptive_clipping,
-             target_quantile, clip_learning_rate, secure_aggregation (docs/privacy.md; checked by server/dp/settings.py)
+             target_quantile, clip_learning_rate (docs/privacy.md; checked by server/dp/settings.py),
+             secure_aggregation, threshold, neighbours, quantisation_bits, stage_deadline_s (docs/secure-aggregation.md)
 ```
 
 Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ from server.strategies import ServerContext, Strategy, TrainSettings, make_strat
 from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
 from server.weight_share import capped_counts
+
+if TYPE_CHECKING:  # imported when a run turns secure aggregation on: it needs the cryptography package
+    from server.secagg.stages import SecureRounds
 
 log = logging.getLogger("edgefl.server")
 
@@ -127,6 +130,14 @@ class Orchestrator:
         self.distribution = Distribution(
             self.link, self.topics, self.strategy.contract, Downlink(t.downlink_codec, config.run.seed)
         )
+        self.secure: SecureRounds | None = None  # [privacy] secure_aggregation: the stages in place of updates
+        if config.privacy.secure_aggregation:
+            from server.secagg.stages import SecureRounds  # needs the cryptography package
+
+            per_step = self.strategy.contract.needs == "mean_per_step"
+            self.secure = SecureRounds(
+                config.privacy, self.link, self.topics, self.num_params, self.times.arrived, per_step
+            )
         self.dispatch = Dispatch(self, self.link, self.topics, self.roster, self.live, distribution=self.distribution,
                                  times=self.times, federated=self.federated, codecs=self.codecs)  # fmt: skip
         self.recorder = Recorder(
@@ -194,7 +205,11 @@ class Orchestrator:
             self.recorder.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        return self.recorder.summarize(weights, self.strategy, self.num_params, self.summary_extra)
+        extra = dict(self.summary_extra)
+        if self.secure is not None:  # the rounds aggregated securely
+            rows = self.recorder.metrics.rows
+            extra["secure_rounds"] = sum(1 for r in rows if "secure" in r and not r.get("dropped"))
+        return self.recorder.summarize(weights, self.strategy, self.num_params, extra)
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, float]:
         """The starting model and the run's elapsed seconds: fresh, or restored from an unfinished run's checkpoint in
@@ -237,7 +252,7 @@ class Orchestrator:
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
             registered = {c: self.clients[c].num_samples for c in state.selected}
             self.folding.sample_weights = capped_counts(registered, self.config.clients.max_weight_share)
-            self._collect(state)
+            secure = self._collect(state)
             self.admission.close(state)
             self.current, folding, self.folding = None, self.folding, None
             t_agg, c_agg = time.monotonic(), time.thread_time()
@@ -255,6 +270,7 @@ class Orchestrator:
                 "aggregate_cpu_s": time.thread_time() - c_agg,
             }
             row = self.recorder.row(round_, timing, state, predictions, told, self.strategy, dropped)
+            row.update(secure)
             due = self.federated.due(round_)
             # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
             evaluation = (
@@ -312,6 +328,12 @@ class Orchestrator:
         self.dispatch.limits.new_round()
         self.dispatch.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
         self.times.round_started()
+        secure = {}
+        if self.secure is not None:  # each selected device's secure terms (its weight, the clip norm, the ring)
+            registered = {c: self.clients[c].num_samples for c in selected}
+            weighting = self.strategy.params.get("weighting", "samples")
+            secure = self.secure.begin(round_, self.run_id, version, registered, weighting,
+                                       self.config.clients.max_weight_share)  # fmt: skip
         assignments = {}
         for cid, a in planned.items():
             state.codecs[cid] = self.codecs.codec_for(cid)
@@ -328,6 +350,7 @@ class Orchestrator:
                 run_id=self.run_id,
                 codec=str(state.codecs[cid]),
                 task=self.config.task,
+                secure=secure.get(cid, {}),
             )
             state.assigned_steps[cid] = a.local_steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
@@ -340,7 +363,15 @@ class Orchestrator:
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     # -- collect -----------------------------------------------------------------------------------------------------
-    def _collect(self, state: RoundState) -> None:
+    def _collect(self, state: RoundState) -> dict[str, Any]:
+        """Wait for the round's updates; a secure round's stages instead (its ``secure`` row, and ``dropped``)."""
+        if self.secure is not None:
+            outcome = self.secure.collect(state, self.dispatch.pump, self.roster.is_online)
+            assert self.folding is not None
+            for cid, update in outcome.updates.items():  # the unmasked mean, with each survivor's own scalars
+                state.received[cid] = self.strategy.fold(self.folding, update)
+                state.bytes_up[cid] = outcome.bytes_up.get(cid, 0)
+            return {"secure": outcome.row, **({"dropped": outcome.dropped} if outcome.dropped else {})}
         deadline = time.monotonic() + state.deadline_s
         while True:
             owed = state.selected - set(state.received) - set(state.failed)
@@ -352,6 +383,7 @@ class Orchestrator:
         for cid in sorted(state.selected - set(state.received) - set(state.failed)):
             why = "went offline" if not self.roster.is_online(cid) else f"missed the {state.deadline_s:.1f} s deadline"
             log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
+        return {}
 
     def _evaluate_on_devices(
         self, round_: int, version: int, weights: np.ndarray, selected: set[str]

@@ -381,7 +381,7 @@ def test_every_wire_field_is_declared_once_and_the_type_table_is_derived() -> No
     from edge_client.schema import ARRAY, WIRE
 
     assert set(M.SCHEMAS) == {c.TYPE for c in (*M.FROM_DEVICES, M.Assignment, M.Stop, M.Ack, M.ModelFile)} | {
-        "global_model", "evaluate", "refusal"}  # fmt: skip
+        "global_model", "evaluate", "refusal", "secagg_roster", "secagg_relay", "secagg_unmask"}  # fmt: skip
     for t, schema in M.SCHEMAS.items():
         declared = {f.name for f in fields(schema.cls) if WIRE in f.metadata}
         assert sorted(attr for attr, _ in schema.fields.values()) == sorted(declared), t
@@ -389,7 +389,7 @@ def test_every_wire_field_is_declared_once_and_the_type_table_is_derived() -> No
         required = {attr for key, (attr, _) in schema.fields.items() if key in schema.required}
         assert required == (declared if t == "assignment" else no_default), t
         assert set(schema.arrays) == {f.name for f in fields(schema.cls) if ARRAY in f.metadata}, t
-    assert [t for t, s in M.SCHEMAS.items() if s.blob] == ["model", "chunk"]
+    assert [t for t, s in M.SCHEMAS.items() if s.blob] == ["model", "masked_input", "chunk"]
     assert {t: s.vector for t, s in M.SCHEMAS.items() if s.vector} == {
         "update": "delta", "global_model": "weights", "evaluate": "weights"}  # fmt: skip
     assert sorted(t for t, s in M.SCHEMAS.items() if s.named) == ["assignment", "global_model", "update"]

@@ -24,6 +24,8 @@ CONTRACT = Contract(
         Setting("root_size", int, 0, f"training samples the server keeps as root data (0: the paper's "
                 f"{PAPER_ROOT_SIZE} where the data allows, else a tenth of the training set)", low=0),
     ),
+    needs="per_device",
+    needs_why="each update's divergence from the root data set's direction",
     dp_refusal=(
         "it scales each device's update by its own divergence from the "
         "root reference, a per-device statistic the noise does not cover"

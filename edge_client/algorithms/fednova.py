@@ -19,6 +19,7 @@ CONTRACT = Contract(
                 choices=("epochs", "fixed")),
     ),
     unequal_steps=True,
+    needs="mean_per_step",
     dp_refusal="", dp_requires=(("local_steps_mode", "fixed"),),  # tau_i from D_i: a per-device release
 )  # fmt: skip
 

@@ -16,6 +16,8 @@ CONTRACT = Contract(
         Setting("fixed_point_iters", int, 1, "evaluations of rho, each against the previous rho-weighted aggregate",
                 low=1),
     ),
+    needs="per_device",
+    needs_why="the pairwise similarities of devices' updates",
     dp_refusal=(
         "its weights come from the pairwise similarities of the devices' "
         "own updates, a per-device statistic the noise does not cover"

@@ -43,6 +43,8 @@ CONTRACT = Contract(
               required=False),
     ),
     returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit"),),
+    needs="sums",
+    needs_why="the sum of the control variates' changes delta_c",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
 )  # fmt: skip
 

@@ -38,6 +38,8 @@ CONTRACT = Contract(
     sends=(Array("v_bar", "the weighted mean of last round's v_i (init = 'server_avg')", required=False,
                  scope="global"),),
     returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half"),),
+    needs="sums",
+    needs_why="the weighted mean of the momenta v",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
 )  # fmt: skip
 

@@ -80,6 +80,8 @@ CONTRACT = Contract(
     sends=(Array("global_delta", "w_{t-1} - w_t, the last global step, for clients that cannot derive it",
                  required=False, scope="global"),),
     uses_alpha=True,
+    needs="per_device",
+    needs_why="each device's alpha_i from its own update, and freeloader expulsion",
     dp_refusal=(
         "TACO's alpha_i is computed from each device's own update and "
         "sent back to it: a per-device release the noise does not cover"
@@ -101,6 +103,7 @@ def tailored_contract(base: Contract, description: str) -> Contract:
     settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
     return dataclasses.replace(
         base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True,
+        needs="per_device", needs_why="each device's alpha_i from its own update",
         dp_refusal=CONTRACT.dp_refusal, dp_requires=(),
     )  # fmt: skip
 
