@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_client.data import ArrayDataset
+from edge_client.factories import FACTORY_KEY
+from edge_client.models import INPUT_SHAPE_KEY
 from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
@@ -33,7 +35,8 @@ def build_strategy(config: RunConfig) -> Strategy:
 
 
 def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any]:
-    """The configured model, or the data set's default; either way with the data set's input standardisation."""
+    """The configured model, or the data set's default; either way with the data set's input standardisation, and a
+    factory model's ``input_shape`` (for the ONNX export) one sample of the data set's unless configured."""
     if bundle is None:
         if not config.model:
             raise ConfigError(
@@ -41,14 +44,22 @@ def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any
                 'name = ... or factory = "package.module:callable"'
             )
         return dict(config.model)
-    return {**bundle.input_stats, **config.model} if config.model else bundle.model
+    if not config.model:
+        return bundle.model
+    shape = {INPUT_SHAPE_KEY: list(bundle.train.x.shape[1:])} if FACTORY_KEY in config.model else {}
+    return {**bundle.input_stats, **shape, **config.model}
+
+
+def dataset_of(config: RunConfig) -> DatasetBundle:
+    """The configured data set (``[data] dataset``, and ``label_column`` for a CSV file), split by the run's seed."""
+    return load_dataset(config.data.dataset, seed=config.run.seed, label_column=config.data.label_column)
 
 
 def server_data(config: RunConfig) -> tuple[DatasetBundle | None, ArrayDataset | None]:
     """The data set the server holds (None with ``data.dataset = "none"``) and the root data set of the algorithm."""
     if config.data.dataset == NO_DATA:
         return split_clients(config, None)
-    return split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+    return split_clients(config, dataset_of(config))
 
 
 def run_target_of(config: RunConfig, bundle: DatasetBundle | None) -> Target:

@@ -50,6 +50,7 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
         str,
         DATASET_HELP,
     ),
+    "--label-column": ("data__label_column", str, "a .csv --dataset: the column holding the target (docs/datasets.md)"),
     "--rounds": ("run__rounds", int, "number of rounds"),
     "--local-steps": ("train__local_steps", int, "local SGD steps per round (tau)"),
     "--batch-size": ("train__batch_size", int, "mini-batch size"),
@@ -198,8 +199,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.assembly import run_target_of, split_clients
-    from server.datasets import load_dataset
+    from server.assembly import dataset_of, run_target_of, split_clients
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
@@ -207,7 +207,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
-    bundle, root = split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+    bundle, root = split_clients(config, dataset_of(config))
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
