@@ -16,15 +16,12 @@ from edge_client.models import INPUT_SHAPE_KEY
 from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
-from server.datasets import DatasetBundle, load_dataset, split_root
+from server.datasets import NO_DATA, DatasetBundle, load_dataset, split_root
 from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
 from server.strategies import Strategy, make_strategy
 from server.target import Target, eval_mode, run_target
-
-#: ``data.dataset`` of a server that holds no data: the devices evaluate (``[eval] mode = "clients"``).
-NO_DATA = "none"
 
 
 def build_strategy(config: RunConfig) -> Strategy:
@@ -53,6 +50,11 @@ def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any
 def dataset_of(config: RunConfig) -> DatasetBundle:
     """The configured data set (``[data] dataset``, and ``label_column`` for a CSV file), split by the run's seed."""
     return load_dataset(config.data.dataset, seed=config.run.seed, label_column=config.data.label_column)
+
+
+def dataset_name(bundle: DatasetBundle | None) -> str:
+    """The data set as summaries and the dashboard name it: the bundle's name, or "none" for a server without."""
+    return bundle.name if bundle else NO_DATA
 
 
 def server_data(config: RunConfig) -> tuple[DatasetBundle | None, ArrayDataset | None]:
@@ -99,7 +101,7 @@ def make_orchestrator(
     """The server for ``bundle``: the configured model, evaluated on the data set's test split (or, without a data
     set, by the devices)."""
     spec = model_spec(config, bundle)
-    summary_extra = {"dataset": bundle.name if bundle else NO_DATA, "partition": config.data.partition,
+    summary_extra = {"dataset": dataset_name(bundle), "partition": config.data.partition,
                      "seed": config.run.seed}  # fmt: skip
     return Orchestrator(
         config,

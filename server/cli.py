@@ -18,6 +18,7 @@ from edge_client.transport import LinkConfig
 from server import device_profiles
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
+from server.live_state import run_facts
 from server.metrics_endpoint import METRICS_HELP, serve_metrics
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -
     # A bench's console is its progress bar and one line per run; warnings of its many runs stay in bench.log.
     quiet = logging.ERROR if log_name == "bench.log" else logging.WARNING
     console = RichHandler(level=logging.INFO if verbose else quiet, show_path=False, markup=False)
+    console.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # the handler shows the level itself
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
 
 
@@ -199,7 +201,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.assembly import dataset_of, run_target_of, split_clients
+    from server.assembly import dataset_name, dataset_of, run_target_of, split_clients
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
@@ -213,7 +215,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _print_partition(bundle, config.data.partition, table)
     target = run_target_of(config, bundle)
     with (
-        serve_dashboard(args.dashboard, out_dir),
+        serve_dashboard(args.dashboard, out_dir, run_facts(config, dataset_name(bundle), target.value)),
         RoundProgress(config.run.rounds, target) as progress,
         serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
     ):
@@ -281,7 +283,7 @@ def fleet_table(profiles: dict[str, Any]) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.assembly import make_orchestrator, run_target_of, server_data
+    from server.assembly import dataset_name, make_orchestrator, run_target_of, server_data
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -296,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         with (
-            serve_dashboard(args.dashboard, out_dir),
+            serve_dashboard(args.dashboard, out_dir, run_facts(config, dataset_name(bundle), target.value)),
             RoundProgress(config.run.rounds, target) as progress,
             serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
         ):

