@@ -29,7 +29,7 @@ BROKER_DIED = 69  # EX_UNAVAILABLE: `edge-server broker` exits with it when its 
 
 DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
-    "idx directory (docs/datasets.md)"
+    "idx directory / .csv file with --label-column (docs/datasets.md)"
 )
 FLEET_HELP = (
     "simulated device classes in client order, e.g. pi5:2,pi4:5,pi3:3 (edge-server fleet list; --clients follows): "
@@ -193,7 +193,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from server.experiments.simulate import client_ids, prepare_shards
 
     ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
-    bundle = load_dataset(args.dataset, seed=args.seed)
+    bundle = load_dataset(args.dataset, seed=args.seed, label_column=args.label_column)
     shards, table = prepare_shards(bundle, ids, args.partition, args.seed, Path(args.out))
     _print_partition(bundle, args.partition, table)
     print(f"wrote {len(shards)} shards to {args.out}/ (copy <id>.npz to each device, pass it as --data)")
@@ -477,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="iid",
         help=PARTITION_HELP,
     )
+    part.add_argument("--label-column", default="", help=RUN_FLAGS["--label-column"][2])
     part.add_argument("--clients", type=int, default=10, help="number of shards (ids client-00 ..)")
     part.add_argument("--ids", help="comma-separated device ids instead of client-NN")
     part.add_argument("--seed", type=int, default=0, help="partition seed")

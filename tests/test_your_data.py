@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from conftest import make_config, run_simulated
 
+from edge_client.data import load_local_data
 from edge_client.predictor import sample_shape_for
 from server.assembly import model_spec
 from server.broker import Broker
+from server.cli import build_parser
 from server.config import from_dict
 from server.datasets import load_dataset
 from server.target import DEFAULT_DEVICE_HOLDOUT, simulated_holdout
@@ -62,6 +64,15 @@ def test_simulate_trains_on_a_csv_file(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["dataset"] == "all.csv" and summary["final_accuracy"] >= 0.9, summary
+
+
+def test_partition_writes_device_shards_of_a_csv_file(tmp_path: Path) -> None:
+    """``edge-server partition --dataset all.csv --label-column label``: one .npz per device of the training rows."""
+    write_csv(tmp_path / "all.csv")
+    args = build_parser().parse_args(["partition", "--dataset", str(tmp_path / "all.csv"), "--label-column", "label",
+                                      "--clients", "2", "--out", str(tmp_path / "shards")])  # fmt: skip
+    assert args.func(args) == 0
+    assert sum(len(load_local_data(tmp_path / "shards" / f"client-0{i}.npz")) for i in range(2)) == 240
 
 
 def test_a_factory_models_input_shape_comes_from_the_data_set(tmp_path: Path) -> None:
