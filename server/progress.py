@@ -99,9 +99,15 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
         ("client compute to target (device clock)", fmt(summary.get("client_compute_to_target_s"), " s")),
-        ("fleet compute (all clients)", fmt(summary.get("fleet_compute_s"), " s")),
-        ("MB moved (up / down)", f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}"),
-        ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
+        ("fleet compute (all clients, device clocks)", fmt(summary.get("fleet_compute_s"), " s")),
+        (
+            "MB through the server's link (up / down)",
+            f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}",
+        ),
+        (
+            "MB through the server's link to target",
+            "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}",
+        ),
         ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
     if "privacy" in summary:  # differential privacy: the budget spent, and why the run stopped early
