@@ -215,14 +215,22 @@ def _default_model(x: np.ndarray, num_classes: int) -> dict[str, Any]:
 CSV_TEST_SHARE = 0.2
 
 
+#: Up to this many features get a mean and std each; wider data one of each over all its values, because the model
+#: spec travels in the header of every assignment and presence (``MAX_HEADER_BYTES``, 9 bytes a number)
+MAX_STAT_FEATURES = 1024
+
+
 def feature_stats(x: np.ndarray) -> dict[str, Any]:
     """Per-feature mean and standard deviation of tabular training data (N, F), as model spec keys: raw features of
     very different scales (a count beside a ratio) otherwise train badly. A constant feature gets std 1; data that is
     standardised already gets none (no hook that changes nothing)."""
-    mean, std = x.mean(axis=0), x.std(axis=0)
+    axis = 0 if x.shape[1] <= MAX_STAT_FEATURES else None
+    mean, std = np.atleast_1d(x.mean(axis=axis)), np.atleast_1d(x.std(axis=axis))
     std = np.where(std > 0, std, 1.0)
     if not mean.any() and (std == 1.0).all():
         return {}
+    if axis is None:
+        return {"input_mean": float(mean[0]), "input_std": float(std[0])}
     return {"input_mean": [float(v) for v in mean], "input_std": [float(v) for v in std]}
 
 

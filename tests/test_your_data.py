@@ -19,7 +19,7 @@ from server.assembly import model_spec
 from server.broker import Broker
 from server.cli import build_parser
 from server.config import from_dict
-from server.datasets import load_dataset
+from server.datasets import MAX_STAT_FEATURES, feature_stats, load_dataset
 from server.target import DEFAULT_DEVICE_HOLDOUT, simulated_holdout
 
 
@@ -46,6 +46,13 @@ def test_a_csv_data_set_is_split_and_standardised_by_its_training_rows(tmp_path:
         load_dataset(str(tmp_path / "all.csv"))
     with pytest.raises(ValueError, match=r"no column 'y'.*income, ratio, label"):
         load_dataset(str(tmp_path / "all.csv"), label_column="y")
+
+
+def test_wide_data_gets_one_mean_and_std_that_fit_a_message_header() -> None:
+    x = np.random.default_rng(0).normal(3.0, 2.0, (20, MAX_STAT_FEATURES + 1)).astype(np.float32)
+    stats = feature_stats(x)
+    assert stats == {"input_mean": pytest.approx(x.mean()), "input_std": pytest.approx(x.std())}
+    assert len(feature_stats(x[:, :MAX_STAT_FEATURES])["input_std"]) == MAX_STAT_FEATURES
 
 
 @pytest.mark.integration
