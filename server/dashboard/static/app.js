@@ -8,7 +8,7 @@ const DASH = "–";
 let latest = null; // {now, state}
 let receivedAt = 0; // performance.now() when `latest` arrived
 let connected = false;
-let ended = false; // the dashboard server said the run ended: it stops with it, no news will come
+let ended = false; // the dashboard server said it stops (with its run, or its command was stopped): no news will come
 
 function serverNow() {
   return latest ? latest.now + (performance.now() - receivedAt) / 1000 : null;
@@ -109,7 +109,6 @@ function drawChart(el, points, xi, target) {
 function statusText(s) {
   const run = s.run || {};
   if (run.finished) return `finished: ${s.rounds_done} rounds`;
-  if (ended) return `stopped after ${s.rounds_done} rounds, unfinished`;
   if (!run.started_at) return "starting: the server prepares the run";
   if (!run.round) return `waiting for clients: ${s.clients.filter((c) => c.online).length} online`;
   return s.rounds_done >= run.round ? `round ${run.round} done` : `training round ${run.round}`;
@@ -189,7 +188,9 @@ function render() {
   const target = run.target ?? null;
   const reached = s.reached ? `, reached in round ${s.reached.round} at ${fmtSeconds(s.reached.elapsed_s)}` : "";
   setText("target", target === null ? DASH : `${target.toFixed(2)}${reached}`);
-  const link = ended ? " · the run has ended and its dashboard server stopped: this page no longer updates"
+  const stopped = run.finished ? "the run has ended and its dashboard server stopped with it"
+    : "the dashboard server stopped";
+  const link = ended ? ` · ${stopped}: this page no longer updates`
     : connected ? "" : " (dashboard server not reachable)";
   setText("status", statusText(s) + link);
   drawChart(document.getElementById("chart-rounds"), s.points, 0, target);
