@@ -110,6 +110,7 @@ class DataSection:
     dataset: str = "mnist"
     # iid | dirichlet:PHI[:balanced] | taco-groups | fedveca-case:N | drag-q:Q | shards:K | unbalanced:SIGMA | natural
     partition: str = "iid"
+    label_column: str = ""  # a .csv data set: the column holding the target (edge-client run --label-column)
 
 
 @dataclass
@@ -118,7 +119,8 @@ class EvalSection:
     every: int = 1  # evaluate after every N-th round (and after the last)
     devices: str = "all"  # clients mode: all online devices with a held-out split, or only the round's selected
     deadline_s: float = 60.0  # the longest the server waits for the devices' evaluations
-    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout)
+    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout);
+    # 0: 0.1 when the devices evaluate (mode clients or both), else none
     holdout: float = 0.0
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from server.config import RunConfig
 from server.strict_json import json_safe, strict_json
 
 log = logging.getLogger("edgefl.server")
@@ -30,6 +31,13 @@ log = logging.getLogger("edgefl.server")
 LIVE_FILE = "live.json"
 #: The instruction fields the dashboard shows (what a client was last told); the rest stays in metrics.jsonl.
 TOLD_KEYS = ("local_steps", "alpha", "lr", "batch_size")
+
+
+def run_facts(config: RunConfig, dataset: str, target: float | None) -> dict[str, Any]:
+    """The run facts the dashboard heads its page with: known from the configuration before the run starts, so the
+    page shows them at once (``RunView``) and ``live.json`` repeats them."""
+    return {"algorithm": config.train.algorithm, "dataset": dataset, "partition": config.data.partition,
+            "job": config.run.job, "rounds": config.run.rounds, "target": target}  # fmt: skip
 
 
 class LiveState:

@@ -52,7 +52,7 @@ from server.downlink import Downlink
 from server.dp.mechanism import Privacy
 from server.evaluation import EvaluationWorker, Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
-from server.live_state import LiveState
+from server.live_state import LiveState, run_facts
 from server.recorder import Produced, Recorder, RoundObserver
 from server.roster import Roster, server_offline
 from server.steps_policy import StepsPolicy
@@ -161,10 +161,8 @@ class Orchestrator:
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
-        run = self.config.run
         dataset = self.summary_extra.get("dataset", self.config.data.dataset)
-        return {"algorithm": self.strategy.name, "dataset": dataset, "partition": self.config.data.partition,
-                "job": run.job, "rounds": run.rounds, "target": self.target.value}  # fmt: skip
+        return {**run_facts(self.config, dataset, self.target.value), "algorithm": self.strategy.name}
 
     def _announce(self) -> None:
         """The link's connect hook: the server's presence, retained (``Roster.announce``)."""

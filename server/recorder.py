@@ -28,6 +28,7 @@ from edge_client.transport import Link
 from server.admission import RoundState
 from server.checkpoint import Checkpoint
 from server.compute_reports import ComputeReports
+from server.datasets import NO_DATA
 from server.deadlines import DeviceTimes
 from server.distribution import Distribution
 from server.dp.mechanism import Privacy
@@ -278,7 +279,14 @@ class Recorder:
         summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
         write_summary(self.out_dir / "summary.json", summary)
         if rows:
-            title = f"{strategy.name} · {extra.get('dataset', '')} · {len(clients)} clients"
+            title = run_title(strategy.name, extra.get("dataset", ""), len(clients))
             plot_report(rows, self.target, self.out_dir / "report.png", title)
             plot_timeline(rows, self.out_dir / "timeline.png", title, classes)
         return summary
+
+
+def run_title(algorithm: str, dataset: str, clients: int) -> str:
+    """The plots' title: the algorithm, whose data, how many devices; a server without data set trained on the
+    devices' own data, which "none" would not say."""
+    data = "devices' own data, no server data set" if dataset == NO_DATA else dataset
+    return f"{algorithm} · {data} · {clients} clients"

@@ -100,8 +100,7 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
             Patch(facecolor="none", edgecolor=COLOURS["compute"], hatch="///", label="trained, not uploaded")
         )
     if deadlines:
-        later = len(deadlines) - len(shown)
-        label = "round deadline" + (f" ({later} after the last round's end, not shown)" if later else "")
+        label = deadline_label(len(deadlines), len(shown))
         handles.append(Line2D([], [], color="darkred", linestyle="dashed", label=label))
     else:
         handles.append(Line2D([], [], color="none", label="no deadline (in-process: every client is waited for)"))
@@ -111,3 +110,13 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below the axis label
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def deadline_label(total: int, drawn: int) -> str:
+    """The legend of the dashed deadline lines, saying plainly why some are missing: a round that ended early has its
+    deadline after the run's end, outside the plot."""
+    if drawn == total:
+        return "round deadline"
+    return (
+        f"round deadline ({drawn} of {total} drawn; the other rounds ended early, their deadlines fall after the run)"
+    )

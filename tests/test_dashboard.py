@@ -22,7 +22,7 @@ from conftest import in_ci, poll, require_mosquitto
 from PIL import Image
 
 from server.config import ConfigError
-from server.dashboard.server import Address
+from server.dashboard.server import Address, DashboardServer
 from server.dashboard.view import TIMELINE_FILE, RunView
 from server.live_state import LiveState
 
@@ -273,6 +273,22 @@ def test_page_follows_a_live_simulation(tmp_path: Path, start, browser) -> None:
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
     _not_blank(shot)
+    page.close()
+
+
+@pytest.mark.integration
+def test_page_shows_the_run_facts_at_once_and_says_when_the_run_ended(tmp_path: Path, browser) -> None:
+    """Before the server wrote anything the page heads with the command's run facts; at the run's end it says so."""
+    facts = {"algorithm": "fedavg", "dataset": "digits", "partition": "iid", "job": "j", "rounds": 3, "target": 0.9}
+    server = DashboardServer(tmp_path, Address.parse("127.0.0.1:0"), facts).start()
+    page = browser.new_page()
+    try:
+        page.goto(server.url)
+        page.wait_for_function("() => document.getElementById('status').textContent.startsWith('starting')")
+        assert page.locator("#algorithm").text_content() == "fedavg"
+    finally:
+        server.stop()
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('dashboard server stopped')")
     page.close()
 
 
