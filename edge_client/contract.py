@@ -14,11 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.codecs import RULES
+
+if TYPE_CHECKING:
+    from edge_client.plan import Plan
 
 #: Default bound on the L2 norm of every model-sized array a device sends: orders of magnitude above any honest
 #: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
@@ -153,8 +156,8 @@ def weighting(default: str) -> Setting:
 class Contract:
     """Everything an algorithm's server and device halves exchange, with its bounds.
 
-    ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
-    normalises each update by the steps its client took, so clients may be told different step counts.
+    ``unequal_steps``: the aggregation normalises each update by the steps its client took, so clients may be told
+    different step counts.
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
     them but never raise them.
     """
@@ -166,7 +169,6 @@ class Contract:
     sends_values: tuple[Value, ...] = ()
     returns: tuple[Array, ...] = ()
     returns_values: tuple[Value, ...] = ()
-    uses_alpha: bool = False
     unequal_steps: bool = False
     adaptive_steps: bool = False
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
@@ -249,6 +251,11 @@ class Contract:
         if missing:
             raise ContractError(f"{self.name}.{missing[0]}: array missing from the assignment")
         return out
+
+    def check_plan(self, plan: Plan, size: int) -> None:
+        """``read_sent`` of a plan a device is told: its settings become the checked ones (each of its setting's
+        type), or ContractError before any training."""
+        plan.settings = self.read_sent(plan.settings, plan.arrays, size)
 
     def example_sent(self, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Plausible settings and values for a hand-made plan (defaults and examples); no server involved."""
