@@ -220,25 +220,26 @@ class Contract:
         return float(resolved[f"max_norm_{array}"])
 
     # -- what the server sends (device side) ------------------------------------------------------------------------
-    def read_sent(self, settings: Mapping[str, Any], arrays: Mapping[str, np.ndarray], size: int) -> dict[str, Any]:
-        """Check an assignment's settings, values and arrays against the contract; return the settings map.
+    def check_plan(self, plan: Plan, size: int) -> None:
+        """Check a plan a device is told against the contract (ContractError before any training); it is trained as
+        it arrived.
 
-        Every device setting and every required value must be there (the server always sends them), nothing else
-        may be, and every array must be one the contract names, of the model's size.
+        Every device setting and every required value must be in its settings (the server always sends them),
+        nothing else may be, and every array must be one the contract names, of the model's size.
         """
+        settings, arrays = plan.settings, plan.arrays
         known = {s.name: s for s in self.all_settings if s.device}
         values = {v.name: v for v in self.sends_values}
         for key in settings:
             if key not in known and key not in values:
                 raise ContractError(f"{self.name}.{key}: the assignment carries a setting {self.name} does not declare")
-        out: dict[str, Any] = {}
         for name, s in known.items():
             if name not in settings:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment; expected {s.allowed()}")
-            out[name] = s.check(self.name, settings[name])
+            s.check(self.name, settings[name])
         for name, v in values.items():
             if name in settings:
-                out[name] = v.check(self.name, settings[name])
+                v.check(self.name, settings[name])
             elif v.required:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment ({v.meaning})")
         declared = {a.name: a for a in self.sends}
@@ -250,12 +251,6 @@ class Contract:
         missing = [a.name for a in self.sends if a.required and a.name not in arrays]
         if missing:
             raise ContractError(f"{self.name}.{missing[0]}: array missing from the assignment")
-        return out
-
-    def check_plan(self, plan: Plan, size: int) -> None:
-        """``read_sent`` of a plan a device is told: its settings become the checked ones (each of its setting's
-        type), or ContractError before any training."""
-        plan.settings = self.read_sent(plan.settings, plan.arrays, size)
 
     def example_sent(self, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Plausible settings and values for a hand-made plan (defaults and examples); no server involved."""

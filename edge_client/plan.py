@@ -6,7 +6,8 @@ half reads. The plan travels as it is, inside the ``Assignment`` that also carri
 (``edge_client.messages.RoundFacts``), and the device trains it as it arrives (``trainer.train_local``): no field is
 copied from one record into another on the way. Its header fields are declared with their bounds like every
 message's (``edge_client.schema``); ``arrays`` and ``weights`` travel as arrays (this device's own in the assignment,
-the ones every device shares and the start model once per round in the ``GlobalModel``).
+the ones every device shares and the start model once per round in the ``GlobalModel``). Something new a strategy
+tells each device (a privacy setting, say) is one more declared field here, or a value of the algorithm's contract.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Plan:
     """One round of local training for one device.
 
     ``settings`` holds the contract's device settings and per-round values (checked against the contract before
-    training: ``Contract.read_sent``); ``arrays`` every vector the device half reads; ``weights`` the model to start
+    training: ``Contract.check_plan``); ``arrays`` every vector the device half reads; ``weights`` the model to start
     from when it is not the round's global model (FedACG's look-ahead model; on a device, the model its assignment
     names once the model cache has it).
     """
