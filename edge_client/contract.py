@@ -14,11 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.codecs import RULES
+
+if TYPE_CHECKING:
+    from edge_client.plan import Plan
 
 #: Default bound on the L2 norm of every model-sized array a device sends: orders of magnitude above any honest
 #: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
@@ -179,8 +182,8 @@ DP_RETURNS = (Value("dp_within", "1 when the upload was within dp_clip_norm befo
 class Contract:
     """Everything an algorithm's server and device halves exchange, with its bounds.
 
-    ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
-    normalises each update by the steps its client took, so clients may be told different step counts.
+    ``unequal_steps``: the aggregation normalises each update by the steps its client took, so clients may be told
+    different step counts.
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
     them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
     secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
@@ -196,7 +199,6 @@ class Contract:
     sends_values: tuple[Value, ...] = ()
     returns: tuple[Array, ...] = ()
     returns_values: tuple[Value, ...] = ()
-    uses_alpha: bool = False
     unequal_steps: bool = False
     adaptive_steps: bool = False
     needs: str = "mean"
@@ -260,25 +262,26 @@ class Contract:
         return float(resolved[f"max_norm_{array}"])
 
     # -- what the server sends (device side) ------------------------------------------------------------------------
-    def read_sent(self, settings: Mapping[str, Any], arrays: Mapping[str, np.ndarray], size: int) -> dict[str, Any]:
-        """Check an assignment's settings, values and arrays against the contract; return the settings map.
+    def check_plan(self, plan: Plan, size: int) -> None:
+        """Check a plan a device is told against the contract (ContractError before any training); it is trained as
+        it arrived.
 
-        Every device setting and every required value must be there (the server always sends them), nothing else
-        may be, and every array must be one the contract names, of the model's size.
+        Every device setting and every required value must be in its settings (the server always sends them),
+        nothing else may be, and every array must be one the contract names, of the model's size.
         """
+        settings, arrays = plan.settings, plan.arrays
         known = {s.name: s for s in self.all_settings if s.device}
         values = {v.name: v for v in (*self.sends_values, *self.dp_values(DP_SENDS))}
         for key in settings:
             if key not in known and key not in values:
                 raise ContractError(f"{self.name}.{key}: the assignment carries a setting {self.name} does not declare")
-        out: dict[str, Any] = {}
         for name, s in known.items():
             if name not in settings:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment; expected {s.allowed()}")
-            out[name] = s.check(self.name, settings[name])
+            s.check(self.name, settings[name])
         for name, v in values.items():
             if name in settings:
-                out[name] = v.check(self.name, settings[name])
+                v.check(self.name, settings[name])
             elif v.required:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment ({v.meaning})")
         declared = {a.name: a for a in self.sends}
@@ -290,7 +293,6 @@ class Contract:
         missing = [a.name for a in self.sends if a.required and a.name not in arrays]
         if missing:
             raise ContractError(f"{self.name}.{missing[0]}: array missing from the assignment")
-        return out
 
     def example_sent(self, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Plausible settings and values for a hand-made plan (defaults and examples); no server involved."""

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, get_args
 import numpy as np
 
 from edge_client import codecs
+from edge_client.plan import Plan
 from edge_client.schema import (
     FLAG,
     MAPPING,
@@ -29,6 +30,7 @@ from edge_client.schema import (
     names,
     number,
     on_wire,
+    record,
     rows,
     schema_of,
     text,
@@ -132,46 +134,47 @@ class Hello:
     TYPE: ClassVar[str] = "hello"
 
 
-@dataclass
-class Assignment:
-    """Server -> one client: everything that client needs for this round.
+@dataclass(frozen=True)
+class RoundFacts:
+    """The round's facts, as the server states them to one device beside its plan: which round and model (the
+    ``GlobalModel`` named by ``sha256``), its deadline, the codec this device uploads with, whether it uploads at all
+    (FedUmf's train-only devices do not), the run, and the run's algorithm, model spec, task and seed. Set once by the
+    orchestrator, never changed on the way; the defaults serve code that trains without a server (a benchmark)."""
 
-    A strategy fills what the algorithm decides (steps tau, learning rate, TACO's alpha_i, the contract's settings
-    and arrays, a model to start from other than the global one); the orchestrator fills the round's facts.
-    On the wire an assignment carries no model: ``weights`` and the arrays every client of the round shares travel
-    once per round in the :class:`GlobalModel` named by ``model_sha256``; ``arrays`` holds only this client's own,
-    and ``global_arrays`` names the shared ones this client uses. The device puts them back before training.
-    """
-
-    local_steps: int = on_wire(integer(1))
-    lr: float = on_wire(number(positive=True))
-    batch_size: int = on_wire(integer(1))
-    # TACO's alpha_i, in every algorithm that uses it (its contract says so)
-    alpha: float | None = on_wire(number(optional=True), default=None)
-    # the contract's device settings and per-round values
-    settings: dict[str, Any] = on_wire(MAPPING, factory=dict)
-    arrays: dict[str, np.ndarray] = named_arrays("the contract's arrays for this client alone (float32)")
-    weights: np.ndarray | None = None  # not on the wire: the GlobalModel's weights (or the strategy's own start model)
-    momentum: float = on_wire(number(0.0), default=0.0)
-    weight_decay: float = on_wire(number(0.0), default=0.0)
     round: int = on_wire(NONNEG, default=0)
     model_version: int = on_wire(NONNEG, default=0)
+    sha256: str = on_wire(SHA256, default="")  # the GlobalModel this round starts from (model_digest)
     deadline_s: float = on_wire(number(positive=True), default=0.0)
-    algorithm: str = on_wire(text(max_len=64), default="")
-    model: dict[str, Any] = on_wire(MAPPING, factory=dict)
-    upload: bool = on_wire(FLAG, default=True)
-    seed: int = on_wire(NONNEG, default=0)
-    run_id: str = on_wire(RUN, key="run", default="")
-    # the GlobalModel this round starts from (model_digest of its weights and arrays)
-    model_sha256: str = on_wire(SHA256, key="sha256", default="")
-    global_arrays: list[str] = on_wire(names(), key="globals", factory=list)  # the GlobalModel's arrays it uses
     codec: str = on_wire(CODEC, default="fp32")  # the codec this device uploads with (edge_client.codecs)
+    upload: bool = on_wire(FLAG, default=True)
+    run_id: str = on_wire(RUN, key="run", default="")
+    algorithm: str = on_wire(text(max_len=64), default="")
+    model: dict[str, Any] = on_wire(MAPPING, factory=dict)  # the run's model spec
     task: dict[str, Any] = on_wire(MAPPING, factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
+    seed: int = on_wire(NONNEG, default=0)
     # secure aggregation's terms for this device (docs/secure-aggregation.md); empty: the round uploads in the clear
     secure: dict[str, Any] = on_wire(SECURE_TERMS, factory=dict)
+    EVERY_FIELD_REQUIRED: ClassVar[bool] = True
+
+
+@dataclass
+class Assignment:
+    """Server -> one client: the plan its strategy wants (``edge_client.plan.Plan``) and the round's facts.
+
+    Both travel as they are (``plan`` and ``facts`` are maps of their own declared fields) and the device trains the
+    plan with the facts beside it. On the wire an assignment carries no model: the plan's start model and the arrays
+    every client of the round shares travel once per round in the :class:`GlobalModel` named by ``facts.sha256``;
+    ``arrays`` holds only this client's own, and ``global_arrays`` names the shared ones its plan uses. The device's
+    model cache puts them into the plan before training.
+    """
+
+    plan: Plan = on_wire(record(Plan))
+    facts: RoundFacts = on_wire(record(RoundFacts), factory=RoundFacts)
+    arrays: dict[str, np.ndarray] = named_arrays("the plan's arrays for this client alone (float32)")
+    global_arrays: list[str] = on_wire(names(), key="globals", factory=list)  # the GlobalModel's arrays it uses
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
-    EVERY_FIELD_REQUIRED: ClassVar[bool] = True  # the defaults serve the strategy that starts one, not the wire
+    EVERY_FIELD_REQUIRED: ClassVar[bool] = True  # the defaults serve the code that builds one, not the wire
 
 
 @dataclass

@@ -159,22 +159,24 @@ class Session:
     def admit(self, a: Assignment) -> bool:
         """Whether to serve ``a`` now: an assignment of the current run. Before the device knows the run it waits
         (the newest one only); of another run, or of the run this device left, it is logged and ignored."""
+        facts = a.facts
         if self.told is None:
             if self.held is not None:
-                log.info("round %d of run %s: replaced by a newer assignment", self.held.round, self.held.run_id)
-            log.info("round %d of run %s: held until the server says which run is current", a.round, a.run_id)
+                held = self.held.facts
+                log.info("round %d of run %s: replaced by a newer assignment", held.round, held.run_id)
+            log.info("round %d of run %s: held until the server says which run is current", facts.round, facts.run_id)
             self.held = a
             return False
-        if a.run_id != self.told or a.run_id == self.left:
-            why = f"the server's current run is {self.told}" if a.run_id != self.told else "that run has ended"
-            log.warning("ignoring an assignment of run %s (round %d): %s", a.run_id, a.round, why)
+        if facts.run_id != self.told or facts.run_id == self.left:
+            why = f"the server's current run is {self.told}" if facts.run_id != self.told else "that run has ended"
+            log.warning("ignoring an assignment of run %s (round %d): %s", facts.run_id, facts.round, why)
             return False
-        self.joined, self._assigned_at = a.run_id, self.clock()
+        self.joined, self._assigned_at = facts.run_id, self.clock()
         with self._lock:
             self._want_assignment = False
         p = self.pending
-        if p is not None and a.round >= p.round:  # the server moved on: that round is closed
-            log.info("round %d: no answer to the %s before round %d began", p.round, p.what, a.round)
+        if p is not None and facts.round >= p.round:  # the server moved on: that round is closed
+            log.info("round %d: no answer to the %s before round %d began", p.round, p.what, facts.round)
             self.pending = None
         return True
 

@@ -27,7 +27,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.messages import Evaluate, Stop
+from edge_client.messages import Evaluate, RoundFacts, Stop
 from edge_client.models import build_model, get_flat
 from edge_client.protocol import encode
 from edge_client.tasks import build_task
@@ -316,15 +315,14 @@ class Orchestrator:
         available = self.available()
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
-        planned = {}
-        for cid in [*selected, *train_only]:
-            a = self.strategy.assign(round_, cid)
-            planned[cid] = replace(a, local_steps=self.steps_policy.steps(cid, a.local_steps))
-        predictions = {cid: self.times.predict(cid, planned[cid].local_steps) for cid in selected}
+        plans = {cid: self.strategy.assign(round_, cid) for cid in [*selected, *train_only]}
+        for cid, plan in plans.items():
+            plan.steps = self.steps_policy.steps(cid, plan.steps)
+        predictions = {cid: self.times.predict(cid, plans[cid].steps) for cid in selected}
         deadline_s = round_deadline(self.config.clients, predictions)
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
         self.dispatch.limits.new_round()
-        self.dispatch.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
+        self.dispatch.reports.told(round_, {cid: plans[cid].steps for cid in train_only})
         self.times.round_started()
         secure = {}
         if self.secure is not None:  # each selected device's secure terms (its weight, the clip norm, the ring)
@@ -332,32 +330,22 @@ class Orchestrator:
             weighting = self.strategy.params.get("weighting", "samples")
             secure = self.secure.begin(round_, self.run_id, version, registered, weighting,
                                        self.config.clients.max_weight_share)  # fmt: skip
-        assignments = {}
-        for cid, a in planned.items():
+        sha256 = self.distribution.publish(round_, version, weights, plans, self.run_id)  # the model, once
+        facts = {}
+        for cid, plan in plans.items():
             state.codecs[cid] = self.codecs.codec_for(cid)
-            assignments[cid] = replace(
-                a,
-                round=round_,
-                model_version=version,
-                deadline_s=deadline_s,
-                algorithm=self.strategy.name,
-                model=self.model_spec,
-                weights=weights if a.weights is None else a.weights,
-                upload=cid in state.selected,
-                seed=self.config.run.seed,
-                run_id=self.run_id,
-                codec=str(state.codecs[cid]),
-                task=self.config.task,
-                secure=secure.get(cid, {}),
-            )
-            state.assigned_steps[cid] = a.local_steps
+            facts[cid] = RoundFacts(
+                round=round_, model_version=version, sha256=sha256, deadline_s=deadline_s, codec=str(state.codecs[cid]),
+                upload=cid in state.selected, run_id=self.run_id, algorithm=self.strategy.name, model=self.model_spec,
+                task=self.config.task, seed=self.config.run.seed, secure=secure.get(cid, {}),
+            )  # fmt: skip
+            state.assigned_steps[cid] = plan.steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
-        sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
         told: dict[str, Any] = {}
-        for cid, (slim, size) in sent.items():
+        for cid, (assignment, size) in self.distribution.send(plans, facts).items():
             self.times.sent(cid)
-            self.dispatch.delivery.assigned(round_, cid, slim)  # as sent: naming the model, which a device may ask for
-            told[cid] = {**assignment_summary(assignments[cid]), **self.codecs.describe(cid), "bytes_down": size}
+            self.dispatch.delivery.assigned(round_, cid, assignment)  # naming the model, which a device may ask for
+            told[cid] = {**assignment_summary(plans[cid], facts[cid]), **self.codecs.describe(cid), "bytes_down": size}
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     # -- collect -----------------------------------------------------------------------------------------------------

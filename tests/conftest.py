@@ -33,7 +33,7 @@ from edge_client.codecs import parse as parse_codec
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
-from edge_client.trainer import TrainResult, plan_for, train_local
+from edge_client.trainer import TrainResult, train_local
 from edge_client.transport import LinkConfig
 from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
@@ -429,10 +429,11 @@ def make_update(client_id: str, delta: Any, *, num_samples: int = 10, local_step
 def train_assignment(
     flat: FlatModel, dataset: ArrayDataset, sampler: BatchSampler, assignment: Assignment, algorithm: ClientAlgorithm
 ) -> TrainResult:
-    """Train on ``assignment`` from its weights as a device does: its plan checked against the contract first."""
-    assert assignment.weights is not None, "the assignment needs the weights to start from"
-    plan = plan_for(assignment, algorithm, flat.size)
-    return train_local(flat, assignment.weights, dataset, sampler, plan, algorithm)
+    """Train on ``assignment`` from its plan's weights as a device does: its plan checked against the contract first."""
+    plan = assignment.plan
+    assert plan.weights is not None, "the plan needs the weights to start from"
+    algorithm.contract.check_plan(plan, flat.size)
+    return train_local(flat, plan.weights, dataset, sampler, plan, algorithm, assignment.facts)
 
 
 def admit(

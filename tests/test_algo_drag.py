@@ -21,8 +21,9 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
 from edge_client.models import build_model, get_flat, set_flat
+from edge_client.plan import Plan
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.drag import Drag
 from server.strategies.drag_br import DragBR
@@ -230,7 +231,7 @@ def test_client_half_is_plain_sgd(cls: type[FedAvgClient]) -> None:
     w0 = flat.numpy()
     rng = np.random.default_rng(0)
     data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
-    a = Assignment(local_steps=4, lr=0.2, batch_size=4, weights=w0, round=1, algorithm=cls.contract.name)
+    a = Assignment(Plan(4, 0.2, 4, weights=w0), RoundFacts(round=1, algorithm=cls.contract.name))
     res = train_assignment(flat, data, BatchSampler(10, 4, 5, "c0"), a, cls())
 
     manual = nn.Linear(3, 2)

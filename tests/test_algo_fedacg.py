@@ -15,6 +15,7 @@ from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
+from edge_client.plan import Plan
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedacg import FedACG
 
@@ -37,7 +38,7 @@ def dataset(n: int = 10) -> ArrayDataset:
 
 def run_client(client, weights: np.ndarray, steps: int, params: dict, arrays: dict | None = None):
     data = dataset()
-    a = Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, arrays=arrays or {}, weights=weights)
+    a = Assignment(Plan(steps, LR, BATCH, settings=params, arrays=arrays or {}, weights=weights))
     return train_assignment(FlatModel(tiny_model(seed=99)), data, BatchSampler(len(data), BATCH, 0, "c0"), a, client)
 
 

@@ -14,7 +14,8 @@ from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
+from edge_client.plan import Plan
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.fedprox import FedProx
 
@@ -36,7 +37,7 @@ def dataset(n: int = 10) -> ArrayDataset:
 
 
 def assignment(weights: np.ndarray, steps: int, params: dict) -> Assignment:
-    return Assignment(local_steps=steps, lr=LR, batch_size=BATCH, settings=params, weights=weights, round=1)
+    return Assignment(Plan(steps, LR, BATCH, settings=params, weights=weights), RoundFacts(round=1))
 
 
 def run_client(client, start: np.ndarray, steps: int, params: dict, cid: str = "c0"):

@@ -14,7 +14,8 @@ from edge_client.algorithms.foolsgold import FoolsGoldClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
+from edge_client.plan import Plan
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.foolsgold import FoolsGold
 
@@ -159,7 +160,7 @@ def test_client_is_fedavg() -> None:
     data = ArrayDataset(rng.normal(size=(10, 3)).astype(np.float32), rng.integers(0, 2, size=10))
     results = []
     for client in (FoolsGoldClient(), FedAvgClient()):
-        a = Assignment(local_steps=4, lr=0.1, batch_size=4, weights=start, round=1, algorithm=client.name)
+        a = Assignment(Plan(4, 0.1, 4, weights=start), RoundFacts(round=1, algorithm=client.name))
         results.append(train_assignment(FlatModel(nn.Linear(3, 2)), data, BatchSampler(10, 4, 0, "c0"), a, client))
         assert client.state_dict() == {}
     np.testing.assert_array_equal(results[0].delta, results[1].delta)

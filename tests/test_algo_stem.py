@@ -15,7 +15,8 @@ from edge_client.algorithms.stem import StemClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
+from edge_client.plan import Plan
 from edge_client.protocol import MissingField
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.stem import Stem
@@ -31,14 +32,8 @@ def make_dataset(n: int = 16, seed: int = 4) -> ArrayDataset:
 def assignment(w: np.ndarray, alpha: float, steps: int = 3, lr: float = 0.1, **extra: object) -> Assignment:
     arrays = extra.pop("arrays", {})
     return Assignment(
-        round=1,
-        local_steps=steps,
-        lr=lr,
-        batch_size=4,
-        algorithm="stem",
-        weights=w,
-        settings={"alpha": alpha, "init": "grad", **extra},  # the device holds no defaults: the server sends both
-        arrays=arrays,  # type: ignore[arg-type]
+        Plan(steps, lr, 4, weights=w, settings={"alpha": alpha, "init": "grad", **extra}, arrays=arrays),
+        RoundFacts(round=1, algorithm="stem"),
     )
 
 

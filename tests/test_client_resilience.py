@@ -12,7 +12,8 @@ import pytest
 from fakes import as_sent
 
 from edge_client.data import ArrayDataset, load_local_data
-from edge_client.messages import Assignment, Failure, Presence
+from edge_client.messages import Assignment, Failure, Presence, RoundFacts
+from edge_client.plan import Plan
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import train_local
@@ -68,9 +69,17 @@ def test_training_error_is_reported_and_the_client_keeps_serving(tmp_path: Path)
 
 def assignment(run_id: str, round_: int, size: int) -> Assignment:
     return Assignment(
-        local_steps=1, lr=0.1, batch_size=4, settings={}, weights=np.zeros(size, np.float32), round=round_,
-        model_version=round_ - 1, deadline_s=10.0, algorithm="fedavg", model=SPEC, upload=False, run_id=run_id,
-    )  # fmt: skip
+        Plan(1, 0.1, 4, settings={}, weights=np.zeros(size, np.float32)),
+        RoundFacts(
+            round=round_,
+            model_version=round_ - 1,
+            deadline_s=10.0,
+            algorithm="fedavg",
+            model=SPEC,
+            upload=False,
+            run_id=run_id,
+        ),
+    )
 
 
 def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -> None:
@@ -78,9 +87,9 @@ def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -
     data = ArrayDataset(rng.normal(size=(16, 64)).astype(np.float32), rng.integers(0, 10, 16))
     trained: list[int] = []
 
-    def counting(flat, weights, dataset, sampler, plan, algorithm):
-        trained.append(plan.round)
-        return train_local(flat, weights, dataset, sampler, plan, algorithm)
+    def counting(flat, weights, dataset, sampler, plan, algorithm, facts):
+        trained.append(facts.round)
+        return train_local(flat, weights, dataset, sampler, plan, algorithm, facts)
 
     def device() -> EdgeClient:
         bus = LocalBus()

@@ -61,7 +61,7 @@ def test_view_from_the_run_directory(tmp_path: Path) -> None:
     live.registered("a", {"device_class": "pi4", "hostname": "<b>pi</b>"})
     live.registered("b", {"machine": "aarch64", "cpu_count": 4, "memory_mb": 3796})
     live.rejected("b", "norm")
-    live.round_started(3, 3.0, {"a": {"local_steps": 12, "alpha": 0.25}})
+    live.round_started(3, 3.0, {"a": {"local_steps": 12, "settings": {"alpha_i": 0.25}}})
     live.presence("b", False)
     live.close()
     flags = ["under_voltage"]

@@ -166,7 +166,7 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
     masked = M.MaskedInput(2, 1, "a", 5, 0.1, 0.1, 0.3, np.arange(7, dtype="<u4").tobytes(), run_id="run")
     assert bytes(decode(encode(masked)).data) == np.arange(7, dtype="<u4").tobytes()
     terms = {"weight": 0.5, "clip": 1.0, "bits": 32, "devices": 4}
-    secure = M.SCHEMAS["assignment"].fields["secure"][1].check
+    secure = M.schema_of(M.RoundFacts).fields["secure"][1].check  # the round facts of an assignment
     assert secure.ok(terms) and secure.ok({})
     assert not any(secure.ok({**terms, k: v}) for k, v in [("weight", 1.5), ("bits", 64), ("clip", 0), ("x", 1)])
     for bad in (
@@ -224,7 +224,7 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     def recording(role: str, cid: str):
         def train(*args):
             result = train_local(*args)
-            trained.setdefault(args[4].round, {})[cid] = (result.delta.copy(), result.local_steps, len(args[2]))
+            trained.setdefault(args[6].round, {})[cid] = (result.delta.copy(), result.local_steps, len(args[2]))
             return result
 
         return train
@@ -425,7 +425,7 @@ def test_a_plain_update_in_a_secure_run_is_refused_and_the_round_goes_on(tmp_pat
         config, bundle, tmp_path, link=LocalLink(bus, [topics.all_up], drives_clients=True)
     ).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(plain.assignments) == 2 and all(a.secure for a in plain.assignments)
+    assert len(plain.assignments) == 2 and all(a.facts.secure for a in plain.assignments)
     assert summary["rejected"] == {"secagg_message": 2} and summary["secure_rounds"] == 2
     for row in rows:
         assert set(row["clients"]) == {"client-00", "client-01"} and row["secure"]["masked"] == 2

@@ -10,7 +10,20 @@ import numpy as np
 import pytest
 from conftest import make_update
 
-from edge_client.messages import Ack, Assignment, Chunk, Hello, Message, Presence, Resync, Stop, Update, model_digest
+from edge_client.messages import (
+    Ack,
+    Assignment,
+    Chunk,
+    Hello,
+    Message,
+    Presence,
+    Resync,
+    RoundFacts,
+    Stop,
+    Update,
+    model_digest,
+)
+from edge_client.plan import Plan
 from edge_client.protocol import InvalidField, decode, encode
 from edge_client.session import RESEND_FIRST_S, Session
 from edge_client.topics import Topics
@@ -29,9 +42,18 @@ class Clock:
 def assignment(run_id: str, round_: int, deadline_s: float = 60.0) -> Assignment:
     """As the server sends it: naming its round's model (``server.distribution``)."""
     weights = np.zeros(3, np.float32)
-    return Assignment(local_steps=1, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
-                      deadline_s=deadline_s, algorithm="fedavg", model={}, run_id=run_id,
-                      model_sha256=model_digest(weights, {}))  # fmt: skip
+    return Assignment(
+        Plan(1, 0.1, 4, weights=weights),
+        RoundFacts(
+            round=round_,
+            model_version=round_,
+            deadline_s=deadline_s,
+            algorithm="fedavg",
+            model={},
+            run_id=run_id,
+            sha256=model_digest(weights, {}),
+        ),
+    )
 
 
 def online(run_id: str) -> Presence:

@@ -104,7 +104,7 @@ class ScaffoldClient(ClientAlgorithm):
         else:
             # c_i^new - c_i = delta / (K_i eta_l) - c
             delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.plan.lr) - self._c).astype(np.float32)
-            self._old = (ctx.plan.round, self.c_i, ctx.plan.settings.get("last_aggregated") is None)
+            self._old = (ctx.facts.round, self.c_i, ctx.plan.settings.get("last_aggregated") is None)
             self._set_new(self.c_i + delta_c)
         self._c, self._correction = None, None
         return {}, {"delta_c": delta_c}

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from edge_client.messages import (
-    Assignment,
     MaskedInput,
     Message,
+    RoundFacts,
     SecAggKeys,
     SecAggRelay,
     SecAggReveal,
@@ -50,16 +50,16 @@ class SecureClient:
         self.fail = fail
         self.uploaded = uploaded
         self.round: DeviceRound | None = None
-        self.assignment: Assignment | None = None
+        self.facts: RoundFacts | None = None  # the round's facts: its secure terms
         self.quantised: np.ndarray | None = None
         self.scalars: dict[str, Any] = {}
         self.costs: dict[str, float] = {}  # the device's own seconds per stage (its clock), sent with the input
 
-    def start(self, a: Assignment) -> None:
+    def start(self, a: RoundFacts) -> None:
         """Fresh keys for round ``a.round``, advertised at once (before training)."""
         t0 = time.perf_counter()
         self.round = DeviceRound(self.client_id, a.run_id, a.round)
-        self.assignment, self.quantised, self.scalars = a, None, {}
+        self.facts, self.quantised, self.scalars = a, None, {}
         keys = self.round.keys()
         self.costs = {"keys_s": time.perf_counter() - t0}
         self.publish(SecAggKeys(a.round, self.client_id, keys.enc, keys.mask, a.run_id))
@@ -68,7 +68,7 @@ class SecureClient:
         """Keep the round's update as ring elements: clipped, divided by its steps when ``per_step`` (the contract
         says so: FedNova), times the device's weight, quantised; ``scalars``: the ``MaskedInput`` fields an
         ``Update`` would carry (steps, times, loss, telemetry)."""
-        a = self.assignment
+        a = self.facts
         assert a is not None and a.secure
         t0 = time.perf_counter()
         ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
@@ -78,7 +78,7 @@ class SecureClient:
         self.costs["quantise_s"] = time.perf_counter() - t0
 
     def handle(self, msg: SecAggRoster | SecAggRelay | SecAggUnmask) -> None:
-        r, a = self.round, self.assignment
+        r, a = self.round, self.facts
         if r is None or a is None or msg.round != r.round or msg.run_id != r.run_id:
             log.warning("ignoring a %s for round %d: not this device's secure round", msg.TYPE, msg.round)
             return
@@ -100,7 +100,7 @@ class SecureClient:
             self.round = None
             self.fail(a.round, a.run_id, "secagg", exc, a.deadline_s)
 
-    def _masked_input(self, r: DeviceRound, a: Assignment, relay: SecAggRelay) -> None:
+    def _masked_input(self, r: DeviceRound, a: RoundFacts, relay: SecAggRelay) -> None:
         if self.quantised is None:
             raise ProtocolBreach("the relay came before the round's update")
         t0 = time.perf_counter()
