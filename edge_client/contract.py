@@ -405,3 +405,12 @@ def codecs_markdown(contracts: Iterable[Contract]) -> str:
             if a.name != "delta":  # every algorithm's delta: the same rule, stated once above the table
                 lines.append(f"| `{c.name}` | `{a.name}` | `{a.codec}` | {RULES[a.codec]} |")
     return "\n".join(lines)
+
+
+def buffered_markdown(contracts: Iterable[Contract]) -> str:
+    """The table of docs/algorithms.md saying which algorithms run with ``train.mode = "buffered"`` and why (a test
+    keeps them equal)."""
+    lines = ["| algorithm | buffered | why |", "|---|---|---|"]
+    for c in contracts:
+        lines.append(f"| `{c.name}` | {'yes' if c.buffered else 'no'} | {c.buffered_why.replace('|', chr(92) + '|')} |")
+    return "\n".join(lines)

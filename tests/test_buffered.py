@@ -4,21 +4,26 @@ event clock on hand-made speeds. The loop over a real broker is tested in tests/
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edge_client.algorithms import CONTRACTS
+from edge_client.contract import buffered_markdown
 from edge_client.messages import Update
 from server.buffered.clock import EventClock
 from server.buffered.staleness import Stale, server_step, staleness_of, staleness_weight, weighted
 from server.config import ConfigError, from_dict
 from server.strategies import TrainSettings, make_strategy
 
+REPO = Path(__file__).resolve().parents[1]
 
-def test_every_contract_says_whether_it_runs_buffered_and_why() -> None:
+
+def test_every_contract_says_whether_it_runs_buffered_and_why_and_the_docs_table_is_theirs() -> None:
     assert {n for n, c in CONTRACTS.items() if c.buffered} == {"fedavg", "fedprox", "fednova"}
     assert all(len(c.buffered_why) > 40 for c in CONTRACTS.values())
+    assert buffered_markdown(CONTRACTS.values()) in (REPO / "docs" / "algorithms.md").read_text()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CONTRACTS.items() if not c.buffered))
@@ -50,6 +55,9 @@ def test_buffered_refuses_what_it_does_not_do_naming_the_fix() -> None:
         from_dict({"train": {"mode": "buffered"}, "clients": {"fraction": 0.5}})
     with pytest.raises(ConfigError, match=r"eval.mode = 'clients'.*use eval.mode = 'server'"):
         from_dict({"train": {"mode": "buffered"}, "eval": {"mode": "clients"}})
+    with pytest.raises(ConfigError, match=r"privacy.mode = 'central': .* privacy.mode = 'off'"):
+        from_dict({"train": {"mode": "buffered"}, "privacy": {"mode": "central", "noise_multiplier": 1.0,
+                                                              "clip_norm": 1.0}})  # fmt: skip
 
 
 def test_the_staleness_weights_are_the_formulas() -> None:
@@ -103,3 +111,33 @@ def test_the_event_clock_orders_updates_as_a_fleet_of_those_speeds_would() -> No
         clock.place(event.client_id, *cycle[event.client_id])
     assert order == [("fast", 1.0), ("fast", 2.0), ("fast", 3.0), ("slow", 3.5), ("fast", 4.0)]
     assert clock.waiting() == set()
+
+
+def test_an_inprocess_fleet_delivers_on_the_event_clock(tmp_path: Path) -> None:
+    """pi5 beside two pi3 (in-process, K = 2): updates are taken in the order of their arrival on the event clock
+    (start + download + compute + upload at the profile's rates), not in the order the bus ran the devices, so the
+    pi5 delivers most of them; staleness and weights as the formula says."""
+    import json
+
+    from conftest import make_config, run_simulated
+
+    from server.datasets import load_dataset
+
+    config = make_config(tmp_path, "fb-clock", 3, 6, train={"mode": "buffered", "buffer_size": 2, "local_steps": 5})
+    config.fleet.devices = "pi5:1,pi3:2"
+    summary, _, _ = run_simulated("inprocess", config.validate(), load_dataset("digits", seed=0), None)  # type: ignore[arg-type]
+    rows = [json.loads(line) for line in (tmp_path / "fb-clock" / "metrics.jsonl").read_text().splitlines()]
+    updates = [u for r in rows for u in r["updates"]]
+    arrivals = [u["arrived_s"] for u in updates]
+    assert arrivals == sorted(arrivals) and len(updates) == 12
+    for u in updates:
+        phases = u["download_s"] + u["compute_s"] + u["upload_s"]
+        assert u["arrived_s"] == pytest.approx(u["started_s"] + phases, abs=1e-2)  # + the server's aggregation CPU
+    for r in rows:
+        assert r["parallel_elapsed_s"] >= max(u["arrived_s"] for u in r["updates"])
+        for u in r["updates"]:
+            assert u["staleness"] == r["model_version"] - 1 - u["model_version"]
+            assert u["weight"] == pytest.approx(1 / math.sqrt(1 + u["staleness"]))
+    per_device = {cid: sum(u["client"] == cid for u in updates) for cid in ("client-00", "client-01", "client-02")}
+    assert per_device["client-00"] > per_device["client-01"] + per_device["client-02"]
+    assert summary["parallel_clock_s"] == rows[-1]["parallel_elapsed_s"]

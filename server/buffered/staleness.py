@@ -97,6 +97,11 @@ def refusal(config: RunConfig) -> str | None:
             f"clients.fraction = {config.clients.fraction:g} selects devices per round, which buffered mode has "
             "not: set train.concurrency (devices training at once) and leave clients.fraction at 1"
         )
+    if config.privacy.mode != "off":
+        return (
+            f"privacy.mode = {config.privacy.mode!r}: differential privacy accounts a round of sampled devices, which "
+            "buffered mode has not; use train.mode = 'synchronous' with privacy, or privacy.mode = 'off'"
+        )
     if config.eval.mode in ("clients", "both"):
         return (
             f"eval.mode = {config.eval.mode!r}: the devices' evaluation is not available in buffered mode yet "
