@@ -161,19 +161,18 @@ class TrainSection:
     codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
     # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
     downlink_codec: str = "fp32"
-    # Aggregation (server/buffered/): "synchronous" rounds, or "buffered" (FedBuff): `concurrency` devices train at
-    # once (0: every online device), the server aggregates as soon as `buffer_size` updates are in, each weighted by
-    # its staleness s (model versions since the one it trained on: `staleness_weight` "sqrt" 1/sqrt(1+s),
-    # "polynomial" (1+s)^-staleness_exponent, "constant" 1) and refused beyond `max_staleness`; the model moves by
-    # `server_lr` x their weighted mean. run.rounds counts aggregation steps. Only for algorithms whose contract says
-    # they can (`buffered`).
+    # "buffered" (FedBuff, docs/buffered.md, server/buffered/): no rounds; every device trains all the time and the
+    # server aggregates each buffer_size updates, weighted by their staleness; run.rounds counts aggregation steps.
+    # Only for algorithms whose contract says they can (fedavg, fedprox, fednova)
     mode: str = "synchronous"
-    concurrency: int = 0
-    buffer_size: int = 3
-    server_lr: float = 1.0
+    concurrency: int = 0  # buffered: devices training at once (0: every online device)
+    buffer_size: int = 3  # buffered: K, the updates each aggregation step takes
+    server_lr: float = 1.0  # buffered: the step is server_lr x the staleness-weighted mean of the K updates
+    # buffered: the weight w(s) of an update trained s model versions ago: "sqrt" 1/sqrt(1+s), "polynomial"
+    # (1+s)^-staleness_exponent, "constant" 1
     staleness_weight: str = "sqrt"
-    staleness_exponent: float = 0.5
-    max_staleness: int = 20
+    staleness_exponent: float = 0.5  # buffered, polynomial: the exponent a of (1+s)^-a
+    max_staleness: int = 20  # buffered: an update trained more versions ago than this is refused ("staleness")
 
 
 @dataclass
