@@ -141,3 +141,17 @@ def test_an_inprocess_fleet_delivers_on_the_event_clock(tmp_path: Path) -> None:
     per_device = {cid: sum(u["client"] == cid for u in updates) for cid in ("client-00", "client-01", "client-02")}
     assert per_device["client-00"] > per_device["client-01"] + per_device["client-02"]
     assert summary["parallel_clock_s"] == rows[-1]["parallel_elapsed_s"]
+
+
+def test_the_leaderboard_suite_has_the_buffered_rows() -> None:
+    """`python -m benchmarks.fleet --leaderboard` runs fleet-noniid: buffered FedAvg, and FedNova buffered with the
+    deadline steps policy, beside the synchronous rows, in every in-process column."""
+    from server.experiments.suites import load_suite
+
+    runs = {(r.column, r.algorithm): r.config for r in load_suite("fleet-noniid").runs()}
+    for column in ("MNIST · dirichlet:0.3", "Fashion-MNIST · dirichlet:0.3"):
+        plain, buffered = runs[(column, "fedavg")], runs[(column, "fedavg@buffered")]
+        assert plain.train.mode == "synchronous" and buffered.train.mode == "buffered"
+        assert buffered.train.buffer_size * buffered.run.rounds == plain.clients.count * plain.run.rounds
+        nova = runs[(column, "fednova@buffered-deadline")].train
+        assert (nova.mode, nova.steps_policy, nova.algorithm) == ("buffered", "deadline", "fednova")

@@ -67,6 +67,47 @@ def test_a_fast_device_goes_on_while_slow_ones_train_and_stale_updates_are_weigh
     assert (orch.out_dir / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_a_device_offline_for_several_steps_comes_back_and_is_sent_the_newest_model(federation, broker) -> None:
+    """client-01 is SIGKILLed before step 2 and restarted (same id, data and state dir) before step 5, when the others
+    stop: nothing waited for it meanwhile, and once back it is sent the newest model (its lost assignment is not sent
+    again) and makes at least one of steps 5-7; its updates are weighted as the formula says."""
+    from test_faults import restart_client
+
+    orch, procs = federation("buffered-offline", clients=3, rounds=7, train={"mode": "buffered", "buffer_size": 1,
+                                                                             "local_steps": 5})  # fmt: skip
+    restarted: list[subprocess.Popen] = []
+
+    def kill() -> None:
+        procs["client-01"].kill()
+        procs["client-01"].wait()
+
+    def restart() -> None:  # the others stop: each can still deliver the one update it may have sent already
+        for cid in ("client-00", "client-02"):
+            os.kill(procs[cid].pid, signal.SIGSTOP)
+        log = orch.out_dir / "clients" / "client-01.restarted.log"
+        restarted.append(restart_client(procs["client-01"], broker.devices["client-01"].password, log))
+        orch.wait_for_clients(3)  # its hello: from here on it is assigned the newest version
+
+    orch.on_round = steps({2: kill, 5: restart})
+    hooks = Hooks().attach(orch)
+    try:
+        orch.run()
+        assert restarted[0].wait(timeout=30) == 0
+    finally:
+        for proc in restarted:
+            proc.kill() if proc.poll() is None else None
+    rows = hooks.rows
+    assert [r["round"] for r in rows] == list(range(1, 8))
+    back = [(u, r) for r in rows for u in r["updates"] if u["client"] == "client-01" and u["assigned_in"] >= 5]
+    assert back, "client-01 contributed nothing after its restart"
+    for u, row in back:  # trained on the version current when it was assigned, after its return
+        assert u["model_version"] >= 4
+        assert u["staleness"] == row["model_version"] - 1 - u["model_version"]
+        assert u["weight"] == pytest.approx(1 / math.sqrt(1 + u["staleness"]))
+    assert all(r["clients_reported"] == 1 for r in rows[1:4])  # steps 2-4 went on without it
+
+
 def _aggregated(metrics: Path) -> list[str]:
     """The message id of every update aggregated so far, in order."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

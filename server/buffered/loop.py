@@ -299,11 +299,11 @@ class BufferedOrchestrator(Orchestrator):
         self.times.round_started()
         for step in range(self.last_round + 1, self.config.run.rounds + 1):
             self.step = step
+            self.folding = self.strategy.begin(step, self.weights)  # devices train on: an update may come any time
+            self.entries, self.failed = [], {}
             if self.on_round is not None:
                 self.on_round(step)
             self.dispatch.limits.new_round()
-            self.folding = self.strategy.begin(step, self.weights)
-            self.entries, self.failed = [], {}
             t0, clock0 = time.monotonic(), self._now()
             self.live.round_started(step, t0 - self._start, self.told)  # each device's newest instructions
             while len(self.entries) < t.buffer_size:
