@@ -17,10 +17,12 @@ refused by its staleness) but no longer counts towards the concurrency. Each new
 (``server.distribution``, ``train.downlink_codec``); a repeated update is answered again, never folded twice
 (``server.delivery``).
 
-A run resumed from its checkpoint after step S starts at step S + 1; the updates that were in the buffer then are
-lost, never aggregated twice: every update aggregated by step S answers an assignment of a step <= S, and the new
-process only admits updates answering its own assignments, of steps > S (the old ones are refused as
-``out_of_round`` and their devices sent new assignments).
+A run resumed from its checkpoint after step S starts at step S + 1, and no update in the checkpoint's model is
+aggregated again: each of them answers an assignment of a step <= S, and the new process only admits updates
+answering an assignment it has in progress, of a step > S (the older ones are refused as ``out_of_round`` and their
+devices sent new assignments). An update of a step after S that the dead process had taken is not in the checkpoint's
+model: it is lost, or admitted once if its device sends it again while an assignment of that step and version is in
+progress.
 
 Built from the synchronous orchestrator's parts (``server.orchestrator``): its roster, its recorder, its admission,
 distribution and policies; ``BufferedDispatch`` is ``server.dispatch`` with what differs for updates, failures,
