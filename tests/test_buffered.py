@@ -58,6 +58,8 @@ def test_buffered_refuses_what_it_does_not_do_naming_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"privacy.mode = 'central': .* privacy.mode = 'off'"):
         from_dict({"train": {"mode": "buffered"}, "privacy": {"mode": "central", "noise_multiplier": 1.0,
                                                               "clip_norm": 1.0}})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"privacy.secure_aggregation = true: .* privacy.secure_aggregation = false"):
+        from_dict({"train": {"mode": "buffered"}, "privacy": {"secure_aggregation": True}})
 
 
 def test_the_staleness_weights_are_the_formulas() -> None:

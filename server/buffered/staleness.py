@@ -102,6 +102,11 @@ def refusal(config: RunConfig) -> str | None:
             f"privacy.mode = {config.privacy.mode!r}: differential privacy accounts a round of sampled devices, which "
             "buffered mode has not; use train.mode = 'synchronous' with privacy, or privacy.mode = 'off'"
         )
+    if config.privacy.secure_aggregation:
+        return (
+            "privacy.secure_aggregation = true: its stages run over a round's devices together, which buffered mode "
+            "has not; use train.mode = 'synchronous' with it, or privacy.secure_aggregation = false"
+        )
     if config.eval.mode in ("clients", "both"):
         return (
             f"eval.mode = {config.eval.mode!r}: the devices' evaluation is not available in buffered mode yet "
