@@ -189,7 +189,10 @@ class Contract:
     secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
     ``mean_per_step`` (only the weighted mean of each delta divided by its steps, and the steps: carried, each device
     divides before masking), ``sums`` (only weighted sums, of more than that: not carried by this version) or
-    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two.
+    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two. ``buffered``: the
+    server half may aggregate updates trained on older model versions as they arrive (``train.mode = "buffered"``,
+    ``server.buffered``); ``buffered_why`` says why it can or cannot, in words the config error and docs/algorithms.md
+    repeat.
     """
 
     name: str
@@ -207,6 +210,8 @@ class Contract:
     # (which server/dp noises), else why it refuses DP; dp_requires: (setting, value) pairs DP needs, e.g. weighting
     dp_refusal: str = "its server half has not been checked for differential privacy"
     dp_requires: tuple[tuple[str, Any], ...] = ()
+    buffered: bool = False
+    buffered_why: str = ""
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -401,4 +406,13 @@ def codecs_markdown(contracts: Iterable[Contract]) -> str:
         for a in c.uploads:
             if a.name != "delta":  # every algorithm's delta: the same rule, stated once above the table
                 lines.append(f"| `{c.name}` | `{a.name}` | `{a.codec}` | {RULES[a.codec]} |")
+    return "\n".join(lines)
+
+
+def buffered_markdown(contracts: Iterable[Contract]) -> str:
+    """The table of docs/algorithms.md saying which algorithms run with ``train.mode = "buffered"`` and why (a test
+    keeps them equal)."""
+    lines = ["| algorithm | buffered | why |", "|---|---|---|"]
+    for c in contracts:
+        lines.append(f"| `{c.name}` | {'yes' if c.buffered else 'no'} | {c.buffered_why.replace('|', chr(92) + '|')} |")
     return "\n".join(lines)

@@ -103,7 +103,10 @@ def make_orchestrator(
     spec = model_spec(config, bundle)
     summary_extra = {"dataset": dataset_name(bundle), "partition": config.data.partition,
                      "seed": config.run.seed}  # fmt: skip
-    return Orchestrator(
+    from server.buffered.loop import BufferedOrchestrator
+
+    loop = BufferedOrchestrator if config.train.mode == "buffered" else Orchestrator
+    return loop(
         config,
         link_config,  # type: ignore[arg-type]  # unused when ``link`` is given
         Evaluator(spec, bundle.test, build_task(config.task)) if bundle else None,

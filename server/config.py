@@ -11,7 +11,8 @@
              deadline_s, holdout (simulated devices)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, max_norm_ratio,
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
-             codec_ladder, downlink_codec
+             codec_ladder, downlink_codec, mode, concurrency, buffer_size, server_lr, staleness_weight,
+             staleness_exponent, max_staleness
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py): simulated
 [simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
@@ -41,6 +42,7 @@ import tomllib
 
 from edge_client import codecs
 from edge_client.algorithms import CONTRACTS, contract_of
+from server.buffered.staleness import MODES, STALENESS_WEIGHTS
 from server.device_profiles import fleet_size, profiles
 from server.dp.settings import PrivacySection, privacy_refusal
 from server.strategies.store import DEFAULT_RAM_BYTES
@@ -159,6 +161,18 @@ class TrainSection:
     codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
     # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
     downlink_codec: str = "fp32"
+    # "buffered" (FedBuff, docs/buffered.md, server/buffered/): no rounds; every device trains all the time and the
+    # server aggregates each buffer_size updates, weighted by their staleness; run.rounds counts aggregation steps.
+    # Only for algorithms whose contract says they can (fedavg, fedprox, fednova)
+    mode: str = "synchronous"
+    concurrency: int = 0  # buffered: devices training at once (0: every online device)
+    buffer_size: int = 3  # buffered: K, the updates each aggregation step takes
+    server_lr: float = 1.0  # buffered: the step is server_lr x the staleness-weighted mean of the K updates
+    # buffered: the weight w(s) of an update trained s model versions ago: "sqrt" 1/sqrt(1+s), "polynomial"
+    # (1+s)^-staleness_exponent, "constant" 1
+    staleness_weight: str = "sqrt"
+    staleness_exponent: float = 0.5  # buffered, polynomial: the exponent a of (1+s)^-a
+    max_staleness: int = 20  # buffered: an update trained more versions ago than this is refused ("staleness")
 
 
 @dataclass
@@ -264,6 +278,17 @@ class RunConfig:
                 self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
                 "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
             ),
+            ("train.mode", self.train.mode in MODES, " or ".join(repr(m) for m in MODES)),
+            ("train.concurrency", self.train.concurrency >= 0, "an integer >= 0 (0: every online device)"),
+            ("train.buffer_size", self.train.buffer_size >= 1, "an integer >= 1 (updates per aggregation step)"),
+            ("train.server_lr", self.train.server_lr > 0, "a number > 0 (1: the plain weighted mean)"),
+            (
+                "train.staleness_weight",
+                self.train.staleness_weight in STALENESS_WEIGHTS,
+                " or ".join(repr(k) for k in STALENESS_WEIGHTS),
+            ),
+            ("train.staleness_exponent", self.train.staleness_exponent >= 0, "a number >= 0"),
+            ("train.max_staleness", self.train.max_staleness >= 0, "an integer >= 0 (model versions)"),
             ("eval.mode", self.eval.mode in ("", "server", "clients", "both"), '"server", "clients" or "both"'),
             ("eval.every", self.eval.every >= 1, "an integer >= 1"),
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
@@ -305,6 +330,7 @@ class RunConfig:
                 )
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
+        self._validate_mode()
         self._validate_fleet()
         refusal = privacy_refusal(
             self.privacy, self.clients.count, self.train.algorithm, self.algorithm_params(), self.train.steps_policy
@@ -344,6 +370,13 @@ class RunConfig:
             "that ran more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose "
             f"aggregation normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
         )
+
+    def _validate_mode(self) -> None:
+        from server.buffered.staleness import refusal
+
+        why = refusal(self)
+        if why:
+            raise ConfigError(why)
 
     def _validate_fleet(self) -> None:
         try:

@@ -69,6 +69,8 @@ log = logging.getLogger("edgefl.server")
 class Orchestrator:
     """The synchronous round loop; the roster, dispatch and recorder it wires here are what any loop is built from."""
 
+    dispatch_class: type[Dispatch] = Dispatch  # another loop handles some messages its own way (server.buffered)
+
     def __init__(
         self,
         config: RunConfig,
@@ -137,8 +139,10 @@ class Orchestrator:
             self.secure = SecureRounds(
                 config.privacy, self.link, self.topics, self.num_params, self.times.arrived, per_step
             )
-        self.dispatch = Dispatch(self, self.link, self.topics, self.roster, self.live, distribution=self.distribution,
-                                 times=self.times, federated=self.federated, codecs=self.codecs)  # fmt: skip
+        self.dispatch = self.dispatch_class(
+            self, self.link, self.topics, self.roster, self.live, distribution=self.distribution, times=self.times,
+            federated=self.federated, codecs=self.codecs,
+        )  # fmt: skip
         self.recorder = Recorder(
             out_dir, self.target, stop_at_target=config.run.stop_at_target, roster=self.roster, link=self.link,
             topics=self.topics, checkpoint=self.checkpoint, distribution=self.distribution, times=self.times,

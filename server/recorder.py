@@ -153,15 +153,21 @@ class Recorder:
             "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
             "train_only": self.reports.drain(),
             "instructions": told,
-            "rejected": dict(self.link.rejections - self._rejected_before),  # by reason
+            "rejected": self.rejected_since(),  # by reason
             "excluded": sorted(strategy.excluded()),
             "algorithm": strategy.round_metrics(),
             **self.privacy.row(round_, strategy),
         }
         if dropped:
             row["dropped"] = dropped
-        self._rejected_before = Counter(self.link.rejections)  # the devices' evaluation counts in the next row
         return row
+
+    def rejected_since(self) -> dict[str, int]:
+        """What the link refused since the last row, by reason; from here on it counts in the next row (the devices'
+        evaluation after a round's row, too)."""
+        rejected = dict(self.link.rejections - self._rejected_before)
+        self._rejected_before = Counter(self.link.rejections)
+        return rejected
 
     def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
         """One admitted update's line in the round's row (``u`` as folded: its sample count is the weight it had)."""
@@ -215,7 +221,8 @@ class Recorder:
         for name, result in (e.outputs if e else {}).items():
             row.update({f"{metric}_{name}": value for metric, value in result.items()})
         metrics = self.metrics
-        if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
+        if self.times.modelled and "parallel_elapsed_s" not in row:  # in-process: the round as long as its slowest
+            # device (server.fleet_summary); a buffered step's comes from its event clock (server.buffered.clock)
             row["parallel_round_s"] = parallel_round_s(row)
             row["parallel_elapsed_s"] = row["parallel_round_s"] + (
                 metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0

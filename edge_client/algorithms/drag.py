@@ -33,6 +33,11 @@ CONTRACT = Contract(
         "it scales each device's update by its own divergence from the reference "
         "direction, a per-device statistic the noise does not cover"
     ),
+    buffered=False,
+    buffered_why=(
+        "each update is dragged toward a reference direction built from the round's updates of one model version; a "
+        "stale update's direction is relative to another model"
+    ),
 )  # fmt: skip
 
 

@@ -30,6 +30,11 @@ CONTRACT = Contract(
         "it scales each device's update by its own divergence from the "
         "root reference, a per-device statistic the noise does not cover"
     ),
+    buffered=False,
+    buffered_why=(
+        "the server trains its root-data reference from the round's model and rescales every update to it; a stale "
+        "update started from another model than that reference"
+    ),
 )  # fmt: skip
 
 

@@ -43,6 +43,11 @@ CONTRACT = Contract(
         "it picks a fixed-size sample itself (the rest train without "
         "uploading), not the Poisson sample the accountant counts"
     ),
+    buffered=False,
+    buffered_why=(
+        "its unselected devices train without uploading and fuse that increment when selected in a later round: the "
+        "round's split into selected and training-only devices has no meaning when every device is always training"
+    ),
 )  # fmt: skip
 
 

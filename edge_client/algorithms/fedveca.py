@@ -52,6 +52,11 @@ CONTRACT = Contract(
         "its step counts come from each device's own beta and delta estimates "
         "and gradient, per-device releases the noise does not cover"
     ),
+    buffered=False,
+    buffered_why=(
+        "its server picks every device's next tau from the round's gradient statistics (beta, delta of all updates of "
+        "one model version): updates of several versions have no common gradient to compare"
+    ),
 )  # fmt: skip
 
 

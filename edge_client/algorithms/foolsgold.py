@@ -22,6 +22,11 @@ CONTRACT = Contract(
         "its weights come from the pairwise similarities of the devices' "
         "own updates, a per-device statistic the noise does not cover"
     ),
+    buffered=False,
+    buffered_why=(
+        "each update is weighted by its cosine to the mean of the round's updates (or the last global step): it needs "
+        "the whole round's updates of one model version in hand"
+    ),
 )  # fmt: skip
 
 

@@ -46,6 +46,11 @@ CONTRACT = Contract(
     needs="sums",
     needs_why="the sum of the control variates' changes delta_c",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
+    buffered=False,
+    buffered_why=(
+        "the control variate c is updated from the round's c_i differences, each computed against the c of the "
+        "device's round: a stale c_i difference added to a newer c has no correction in the algorithm"
+    ),
 )  # fmt: skip
 
 

@@ -41,6 +41,11 @@ CONTRACT = Contract(
     needs="sums",
     needs_why="the weighted mean of the momenta v",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
+    buffered=False,
+    buffered_why=(
+        "the server's momentum v combines the round's momenta of devices that all started from one model; stale "
+        "momenta of older models would be mixed into it uncorrected"
+    ),
 )  # fmt: skip
 
 

@@ -92,6 +92,11 @@ CONTRACT = Contract(
         "TACO's alpha_i is computed from each device's own update and "
         "sent back to it: a per-device release the noise does not cover"
     ),
+    buffered=False,
+    buffered_why=(
+        "alpha_i (eq. 7) and freeloader expulsion compare each update with the mean of the round's updates of one "
+        "model version: updates of several versions have no common mean"
+    ),
 )  # fmt: skip
 
 
@@ -112,6 +117,7 @@ def tailored_contract(base: Contract, description: str) -> Contract:
         base, name=f"{base.name}-taco", description=description, settings=settings, sends_values=values,
         needs="per_device", needs_why="each device's alpha_i from its own update",
         dp_refusal=CONTRACT.dp_refusal, dp_requires=(),
+        buffered=False, buffered_why=f"{base.name} tailored by TACO's alpha_i: {CONTRACT.buffered_why}",
     )  # fmt: skip
 
 
