@@ -372,11 +372,45 @@ class RunConfig:
         )
 
     def _validate_mode(self) -> None:
-        from server.buffered.staleness import refusal
-
-        why = refusal(self)
+        why = self._mode_refusal()
         if why:
             raise ConfigError(why)
+
+    def _mode_refusal(self) -> str | None:
+        """Why ``train.mode = "buffered"`` cannot run with the rest of the config (naming the key and the fix)."""
+        t = self.train
+        if t.mode != "buffered":
+            return None
+        contract = CONTRACTS.get(t.algorithm)
+        if contract is None:
+            return None  # the unknown algorithm is reported on its own key
+        if not contract.buffered:
+            can = ", ".join(sorted(n for n, c in CONTRACTS.items() if c.buffered))
+            return (
+                f"train.mode = 'buffered' cannot run {t.algorithm}: {contract.buffered_why}. Use train.algorithm = one "
+                f"of {can}, or train.mode = 'synchronous'"
+            )
+        if self.clients.fraction != 1.0:
+            return (
+                f"clients.fraction = {self.clients.fraction:g} selects devices per round, which buffered mode has "
+                "not: set train.concurrency (devices training at once) and leave clients.fraction at 1"
+            )
+        if self.privacy.mode != "off":
+            return (
+                f"privacy.mode = {self.privacy.mode!r}: differential privacy accounts a round of sampled devices, "
+                "which buffered mode has not; use train.mode = 'synchronous' with privacy, or privacy.mode = 'off'"
+            )
+        if self.privacy.secure_aggregation:
+            return (
+                "privacy.secure_aggregation = true: its stages run over a round's devices together, which buffered "
+                "mode has not; use train.mode = 'synchronous' with it, or privacy.secure_aggregation = false"
+            )
+        if self.eval.mode in ("clients", "both"):
+            return (
+                f"eval.mode = {self.eval.mode!r}: the devices' evaluation is not available in buffered mode yet "
+                "(a device is always training); use eval.mode = 'server'"
+            )
+        return None
 
     def _validate_fleet(self) -> None:
         try:

@@ -38,12 +38,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from edge_client.messages import Failure, Hello, Message, Resync, Update
+from edge_client.messages import Failure, Hello, Message, Resync, RoundFacts, Update
 from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, OutOfRound, ProtocolError
 from server.admission import RoundState
 from server.buffered.clock import EventClock
@@ -222,18 +221,18 @@ class BufferedOrchestrator(Orchestrator):
     def _assign_one(self, cid: str) -> None:
         assert self.weights is not None
         step = self.step
-        a = self.strategy.assign(step, cid)
-        steps = self.steps_policy.steps(cid, a.local_steps)
+        plan = self.strategy.assign(step, cid)
+        plan.steps = steps = self.steps_policy.steps(cid, plan.steps)
         codec = self.codecs.codec_for(cid)
-        assignment = replace(
-            a, local_steps=steps, round=step, model_version=self.version,
-            deadline_s=self.config.clients.round_deadline_s, algorithm=self.strategy.name, model=self.model_spec,
-            weights=self.weights if a.weights is None else a.weights, upload=True, seed=self.config.run.seed,
-            run_id=self.run_id, codec=str(codec), task=self.config.task,
+        sha256 = self.distribution.publish(step, self.version, self.weights, {cid: plan}, self.run_id)  # once a version
+        facts = RoundFacts(
+            round=step, model_version=self.version, sha256=sha256, deadline_s=self.config.clients.round_deadline_s,
+            codec=str(codec), upload=True, run_id=self.run_id, algorithm=self.strategy.name, model=self.model_spec,
+            task=self.config.task, seed=self.config.run.seed,
         )  # fmt: skip
         state = RoundState(step, self.version, {cid}, assigned_steps={cid: steps}, codecs={cid: codec})
         self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
-        size = self.distribution.send(step, self.version, {cid: assignment})[cid][1]  # the version once, then this
+        size = self.distribution.send({cid: plan}, {cid: facts})[cid][1]
         if self.distribution.model_bytes:  # this version's broadcast, which every device it goes to downloads
             self._broadcast_bytes = self.distribution.model_bytes
         self.outstanding[cid] = state
@@ -243,7 +242,7 @@ class BufferedOrchestrator(Orchestrator):
         if self.clock is not None:
             self.clock.started(cid)
         down = size + self._broadcast_bytes
-        self.told[cid] = {**assignment_summary(assignment), **self.codecs.describe(cid), "bytes_down": down}
+        self.told[cid] = {**assignment_summary(plan, facts), **self.codecs.describe(cid), "bytes_down": down}
         log.info("step %d: %s trains %d steps from model version %d", step, cid, steps, self.version)
 
     def release(self, cid: str, why: str = "") -> None:

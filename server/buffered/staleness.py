@@ -18,15 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_client.messages import Update
 from edge_client.protocol import OutOfRound
-
-if TYPE_CHECKING:
-    from server.config import RunConfig
 
 MODES = ("synchronous", "buffered")
 STALENESS_WEIGHTS = ("sqrt", "polynomial", "constant")
@@ -74,42 +70,3 @@ def server_step(before: np.ndarray, aggregate: np.ndarray, server_lr: float) -> 
     if server_lr == 1.0:
         return aggregate
     return (before + np.float32(server_lr) * (aggregate - before)).astype(np.float32, copy=False)
-
-
-def refusal(config: RunConfig) -> str | None:
-    """Why ``train.mode = "buffered"`` cannot run with the rest of ``config`` (naming the key and the fix), or None."""
-    t = config.train
-    if t.mode != "buffered":
-        return None
-    from edge_client.algorithms import CONTRACTS
-
-    contract = CONTRACTS.get(t.algorithm)
-    if contract is None:
-        return None  # the unknown algorithm is reported on its own key
-    if not contract.buffered:
-        can = ", ".join(sorted(n for n, c in CONTRACTS.items() if c.buffered))
-        return (
-            f"train.mode = 'buffered' cannot run {t.algorithm}: {contract.buffered_why}. Use train.algorithm = one "
-            f"of {can}, or train.mode = 'synchronous'"
-        )
-    if config.clients.fraction != 1.0:
-        return (
-            f"clients.fraction = {config.clients.fraction:g} selects devices per round, which buffered mode has "
-            "not: set train.concurrency (devices training at once) and leave clients.fraction at 1"
-        )
-    if config.privacy.mode != "off":
-        return (
-            f"privacy.mode = {config.privacy.mode!r}: differential privacy accounts a round of sampled devices, which "
-            "buffered mode has not; use train.mode = 'synchronous' with privacy, or privacy.mode = 'off'"
-        )
-    if config.privacy.secure_aggregation:
-        return (
-            "privacy.secure_aggregation = true: its stages run over a round's devices together, which buffered mode "
-            "has not; use train.mode = 'synchronous' with it, or privacy.secure_aggregation = false"
-        )
-    if config.eval.mode in ("clients", "both"):
-        return (
-            f"eval.mode = {config.eval.mode!r}: the devices' evaluation is not available in buffered mode yet "
-            "(a device is always training); use eval.mode = 'server'"
-        )
-    return None
