@@ -71,11 +71,8 @@ OPTIMISER: dict[str, tuple[float, float]] = {"fedumf": (0.5, 5e-4)}
 def real_plan(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch: int, lr: float, n: int) -> Any:
     """The plan of the algorithm's round-1 assignment from its server half, and where it came from; the contract's
     defaults (``edge_client.speed.make_plan``) when the server half cannot be built here (DRAG-BR's root data)."""
-    import dataclasses
-
     from edge_client.algorithms import client_algorithm
     from edge_client.speed import make_plan
-    from edge_client.trainer import plan_for
     from server.strategies import ServerContext, TrainSettings, make_strategy
 
     momentum, weight_decay = OPTIMISER.get(algorithm, (0.0, 0.0))
@@ -83,12 +80,13 @@ def real_plan(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch
         settings = TrainSettings(steps, lr, batch, momentum=momentum, weight_decay=weight_decay)
         strategy = make_strategy(algorithm, settings, rounds=100)
         strategy.setup(ServerContext(model_spec=dict(spec), num_params=size, clients={"bench": n}))
-        assignment = dataclasses.replace(strategy.assign(1, "bench"), round=1)
+        plan = strategy.assign(1, "bench")
     except Exception as exc:
         return make_plan(algorithm, size, steps=steps, batch_size=batch), f"contract ({type(exc).__name__}: {exc})"
-    if algorithm == "fedveca" and not assignment.settings.get("P"):
-        assignment.settings["P"] = 1.0  # round 1 sends P = 0; later rounds ||grad F||^2 > 0 (delta path either way)
-    return plan_for(assignment, client_algorithm(algorithm), size), "server strategy"
+    if algorithm == "fedveca" and not plan.settings.get("P"):
+        plan.settings["P"] = 1.0  # round 1 sends P = 0; later rounds ||grad F||^2 > 0 (delta path either way)
+    client_algorithm(algorithm).contract.check_plan(plan, size)
+    return plan, "server strategy"
 
 
 def use_plan(runner: Any, plan: Any) -> None:
@@ -96,11 +94,13 @@ def use_plan(runner: Any, plan: Any) -> None:
     import dataclasses
     import types
 
+    from edge_client.speed import facts_of
     from edge_client.trainer import train_local
 
     def run(self: Any, steps: int) -> Any:
-        current = dataclasses.replace(plan, steps=steps, round=self.version + 1, model_version=self.version)
-        result = train_local(self.flat, self.weights, self.dataset, self.sampler, current, self.algorithm)
+        current = dataclasses.replace(plan, steps=steps)
+        facts = facts_of(self.version)
+        result = train_local(self.flat, self.weights, self.dataset, self.sampler, current, self.algorithm, facts)
         self.version += 1
         return result
 
@@ -200,7 +200,6 @@ def measure_table(
                 "target_ratio": target,
                 "status": None if target is None else ("PASS" if ratio <= target else "MISS"),
                 "settings": dict(runners[alg].plan.settings),
-                "alpha": runners[alg].plan.alpha,
                 "optimiser": {"momentum": runners[alg].plan.momentum, "weight_decay": runners[alg].plan.weight_decay},
                 "arrays": sorted(runners[alg].plan.arrays),
                 "plan_source": runners[alg].plan_source,

@@ -16,7 +16,7 @@ plots, timeline.png per run); runs finished there before are kept, not run again
 
 Quick (CI): digits, 2 rounds, FedAvg and FedNova, in-process, a fleet of one pi5, one pi4 and one pi3.
 
-The leaderboard (docs/leaderboard.md, README "Which algorithm wins on your fleet")::
+The leaderboard (docs/leaderboard.md, docs/bench.md "Which algorithm wins on your fleet")::
 
     python -m benchmarks.fleet --leaderboard docs/leaderboard.md [--runs DIR] [--rounds R] [--algorithms a,b@deadline]
                                [--seeds 0] [--more-seeds 1,2] [--quick]

@@ -107,15 +107,17 @@ def _serve_link(
     def hello() -> None:
         link.publish(topics.up(cid), encode(Hello(client_id=cid, num_samples=1, device={"hostname": "load"})))
 
-    def answer(a: Assignment) -> None:
-        if a.model_sha256 not in models:
-            waiting[:] = [a]
-            link.publish(topics.up(cid), encode(ModelRequest(a.round, cid, a.model_sha256, run_id=a.run_id)))
+    def answer(assignment: Assignment) -> None:
+        a = assignment.facts
+        if a.sha256 not in models:
+            waiting[:] = [assignment]
+            link.publish(topics.up(cid), encode(ModelRequest(a.round, cid, a.sha256, run_id=a.run_id)))
             with lock:
                 stats["model_requests"] += 1
             return
         waiting.clear()
-        size = models.complete(a).weights.size  # type: ignore[union-attr]
+        models.complete(assignment)
+        size = assignment.plan.weights.size  # type: ignore[union-attr]
         if size != base.size:
             raise ValueError(f"{cid}: the round's model has {size} weights, expected {base.size}")
         update = Update(
@@ -123,7 +125,7 @@ def _serve_link(
             model_version=a.model_version,
             client_id=cid,
             num_samples=1,
-            local_steps=a.local_steps,
+            local_steps=assignment.plan.steps,
             compute_s=0.0,
             cpu_s=0.0,
             train_loss=0.0,
@@ -160,7 +162,7 @@ def _serve_link(
                     raise ValueError(f"{cid}: round {msg.round}'s model does not hash to its digest")
                 with lock:
                     stats["models_received"] += 1
-                if waiting and waiting[0].model_sha256 == msg.sha256:
+                if waiting and waiting[0].facts.sha256 == msg.sha256:
                     answer(waiting[0])
             elif isinstance(msg, Assignment):
                 answer(msg)

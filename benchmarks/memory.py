@@ -57,6 +57,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import edge_client.algorithms
+    import edge_client.plan
     import edge_client.speed
     import edge_client.trainer
     from edge_client.data import BatchSampler
@@ -92,7 +93,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(n, BATCH, 0, f"bench-{cfg['algorithm']}")
         arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
-        use_plan(runner, edge_client.trainer.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
+        use_plan(runner, edge_client.plan.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
         if cfg.get("fg_batch"):  # what-if for a suggested fix: the full gradient in smaller batches
             import functools
 
@@ -143,7 +144,7 @@ def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[s
         "rounds": rounds,
         "samples": samples,
         "plan": {
-            "settings": plan.settings, "alpha": plan.alpha, "momentum": plan.momentum,
+            "settings": plan.settings, "momentum": plan.momentum,
             "weight_decay": plan.weight_decay,
         },
         "arrays": sorted(plan.arrays),

@@ -69,7 +69,7 @@ def check_broker(make_config: Callable[[], LinkConfig], client_id: str, job: str
     from edge_client.messages import Presence
     from edge_client.protocol import encode
     from edge_client.topics import Topics
-    from edge_client.transport import MqttLink
+    from edge_client.transport import MqttLink, scheme_mismatch
 
     try:
         config = make_config()
@@ -79,7 +79,7 @@ def check_broker(make_config: Callable[[], LinkConfig], client_id: str, job: str
         yield Item("broker", False, str(exc))
         yield Item("acl", None, "not checked: no broker connection")
         return
-    unreachable = _reachable(config)
+    unreachable = _reachable(config) or scheme_mismatch(config)
     if unreachable:
         yield Item("broker", False, unreachable)
         yield Item("acl", None, "not checked: no broker connection")

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        log.info("interrupted (Ctrl-C)")
         return ExitStatus.INTERRUPTED
     except Terminated:
         log.info("stopped (SIGTERM)")

@@ -1,4 +1,4 @@
-"""What a device does with codecs (``edge_client.codecs``): each uploaded array sent with the codec its assignment
+"""What a device does with codecs (``edge_client.codecs``): each uploaded array sent with the codec its round's facts
 and its algorithm's contract allow, top-k residuals carried into the next upload (error feedback, kept across
 restarts). Model differences the server broadcasts are applied where models are kept (``edge_client.models_cache``)."""
 
@@ -12,7 +12,7 @@ from edge_client import codecs
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.codecs import Encoded
 from edge_client.contract import UPDATE_DELTA
-from edge_client.messages import Assignment
+from edge_client.messages import RoundFacts
 
 
 class Uplink:
@@ -26,17 +26,17 @@ class Uplink:
         self._kept = False  # residuals were kept once: the saved state must be rewritten even when none are left
 
     def encode(
-        self, assignment: Assignment, algorithm: ClientAlgorithm, delta: np.ndarray, arrays: dict[str, np.ndarray]
+        self, facts: RoundFacts, algorithm: ClientAlgorithm, delta: np.ndarray, arrays: dict[str, np.ndarray]
     ) -> tuple[np.ndarray | Encoded, dict[str, np.ndarray | Encoded]]:
         """``delta`` and ``arrays`` as they go on the wire; ValueError (residuals untouched) when one cannot be coded.
 
         ``commit`` arrays are handed back to ``algorithm.uploaded`` as the server will decode them.
         """
-        spec = codecs.parse(assignment.codec)
-        if assignment.run_id != self.run_id:
-            self.run_id, self.residuals = assignment.run_id, {}
+        spec = codecs.parse(facts.codec)
+        if facts.run_id != self.run_id:
+            self.run_id, self.residuals = facts.run_id, {}
         # stochastic rounding: unbiased with any seed; this one makes a run reproducible
-        rng = np.random.default_rng([assignment.seed, assignment.round, zlib.crc32(self.client_id.encode())])
+        rng = np.random.default_rng([facts.seed, facts.round, zlib.crc32(self.client_id.encode())])
         residuals = dict(self.residuals)
         out: dict[str, np.ndarray | Encoded] = {}
         committed: dict[str, np.ndarray] = {}

@@ -14,11 +14,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_client.codecs import RULES
+
+if TYPE_CHECKING:
+    from edge_client.plan import Plan
 
 #: Default bound on the L2 norm of every model-sized array a device sends: orders of magnitude above any honest
 #: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
@@ -149,6 +152,22 @@ def weighting(default: str) -> Setting:
     )  # fmt: skip
 
 
+NEEDS = ("mean", "mean_per_step", "sums", "per_device")  # Contract.needs
+CARRIED = ("mean", "mean_per_step")  # what secure aggregation carries
+
+
+def secure_refusal(contract: Contract) -> str:
+    """Why secure aggregation cannot carry ``contract``'s algorithm ("" when it can)."""
+    if contract.needs in CARRIED:
+        return ""
+    if contract.needs == "sums":
+        return (
+            f"{contract.name} needs only sums, but of more than one vector ({contract.needs_why}); this version's "
+            "secure aggregation masks the delta alone"
+        )
+    return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
+
+
 #: What a DP-compatible contract also accepts (docs/privacy.md): the clip norm and the device's noise std sent in the
 #: assignment's settings, and whether the update was within the clip norm (adaptive clipping's count) sent back.
 DP_SENDS = (
@@ -163,10 +182,17 @@ DP_RETURNS = (Value("dp_within", "1 when the upload was within dp_clip_norm befo
 class Contract:
     """Everything an algorithm's server and device halves exchange, with its bounds.
 
-    ``uses_alpha``: assignments carry TACO's alpha_i (``Assignment.alpha``). ``unequal_steps``: the aggregation
-    normalises each update by the steps its client took, so clients may be told different step counts.
+    ``unequal_steps``: the aggregation normalises each update by the steps its client took, so clients may be told
+    different step counts.
     ``adaptive_steps``: the algorithm chooses each client's steps itself (FedVeca's tau), so a steps policy may lower
-    them but never raise them.
+    them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
+    secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
+    ``mean_per_step`` (only the weighted mean of each delta divided by its steps, and the steps: carried, each device
+    divides before masking), ``sums`` (only weighted sums, of more than that: not carried by this version) or
+    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two. ``buffered``: the
+    server half may aggregate updates trained on older model versions as they arrive (``train.mode = "buffered"``,
+    ``server.buffered``); ``buffered_why`` says why it can or cannot, in words the config error and docs/algorithms.md
+    repeat.
     """
 
     name: str
@@ -176,13 +202,16 @@ class Contract:
     sends_values: tuple[Value, ...] = ()
     returns: tuple[Array, ...] = ()
     returns_values: tuple[Value, ...] = ()
-    uses_alpha: bool = False
     unequal_steps: bool = False
     adaptive_steps: bool = False
+    needs: str = "mean"
+    needs_why: str = ""
     # Differential privacy: "" when the server half releases nothing derived from device data but its running sums
     # (which server/dp noises), else why it refuses DP; dp_requires: (setting, value) pairs DP needs, e.g. weighting
     dp_refusal: str = "its server half has not been checked for differential privacy"
     dp_requires: tuple[tuple[str, Any], ...] = ()
+    buffered: bool = False
+    buffered_why: str = ""
     _by_name: dict[str, Setting] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -191,6 +220,8 @@ class Contract:
                     low=0.0, low_open=True, inf_disables=True)
             for a in self.returns
         )  # fmt: skip
+        if self.needs not in NEEDS or (self.needs in CARRIED) == bool(self.needs_why):
+            raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not {CARRIED}")
         settings = self.settings + bounds
         names = [s.name for s in settings] + [v.name for v in self.sends_values]
         if len(set(names)) != len(names):
@@ -236,25 +267,26 @@ class Contract:
         return float(resolved[f"max_norm_{array}"])
 
     # -- what the server sends (device side) ------------------------------------------------------------------------
-    def read_sent(self, settings: Mapping[str, Any], arrays: Mapping[str, np.ndarray], size: int) -> dict[str, Any]:
-        """Check an assignment's settings, values and arrays against the contract; return the settings map.
+    def check_plan(self, plan: Plan, size: int) -> None:
+        """Check a plan a device is told against the contract (ContractError before any training); it is trained as
+        it arrived.
 
-        Every device setting and every required value must be there (the server always sends them), nothing else
-        may be, and every array must be one the contract names, of the model's size.
+        Every device setting and every required value must be in its settings (the server always sends them),
+        nothing else may be, and every array must be one the contract names, of the model's size.
         """
+        settings, arrays = plan.settings, plan.arrays
         known = {s.name: s for s in self.all_settings if s.device}
         values = {v.name: v for v in (*self.sends_values, *self.dp_values(DP_SENDS))}
         for key in settings:
             if key not in known and key not in values:
                 raise ContractError(f"{self.name}.{key}: the assignment carries a setting {self.name} does not declare")
-        out: dict[str, Any] = {}
         for name, s in known.items():
             if name not in settings:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment; expected {s.allowed()}")
-            out[name] = s.check(self.name, settings[name])
+            s.check(self.name, settings[name])
         for name, v in values.items():
             if name in settings:
-                out[name] = v.check(self.name, settings[name])
+                v.check(self.name, settings[name])
             elif v.required:
                 raise ContractError(f"{self.name}.{name}: missing from the assignment ({v.meaning})")
         declared = {a.name: a for a in self.sends}
@@ -266,7 +298,6 @@ class Contract:
         missing = [a.name for a in self.sends if a.required and a.name not in arrays]
         if missing:
             raise ContractError(f"{self.name}.{missing[0]}: array missing from the assignment")
-        return out
 
     def example_sent(self, resolved: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Plausible settings and values for a hand-made plan (defaults and examples); no server involved."""
@@ -375,4 +406,13 @@ def codecs_markdown(contracts: Iterable[Contract]) -> str:
         for a in c.uploads:
             if a.name != "delta":  # every algorithm's delta: the same rule, stated once above the table
                 lines.append(f"| `{c.name}` | `{a.name}` | `{a.codec}` | {RULES[a.codec]} |")
+    return "\n".join(lines)
+
+
+def buffered_markdown(contracts: Iterable[Contract]) -> str:
+    """The table of docs/algorithms.md saying which algorithms run with ``train.mode = "buffered"`` and why (a test
+    keeps them equal)."""
+    lines = ["| algorithm | buffered | why |", "|---|---|---|"]
+    for c in contracts:
+        lines.append(f"| `{c.name}` | {'yes' if c.buffered else 'no'} | {c.buffered_why.replace('|', chr(92) + '|')} |")
     return "\n".join(lines)

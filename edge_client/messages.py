@@ -15,12 +15,14 @@ from typing import Any, ClassVar, get_args
 import numpy as np
 
 from edge_client import codecs
+from edge_client.plan import Plan
 from edge_client.schema import (
     FLAG,
     MAPPING,
     Check,
     FreeMap,
     Schema,
+    binary,
     blob,
     integer,
     is_int,
@@ -28,10 +30,14 @@ from edge_client.schema import (
     names,
     number,
     on_wire,
+    record,
+    rows,
     schema_of,
     text,
     vector,
 )
+from edge_client.secagg.shamir import SHARE_BYTES
+from edge_client.secagg.wire import KEY_BYTES, MAX_NEIGHBOURS, SEALED_BYTES, SECURE_TERMS
 from edge_client.topics import CLIENT_ID_RE
 
 DTYPE = "<f4"  # the only array dtype on the wire
@@ -128,44 +134,47 @@ class Hello:
     TYPE: ClassVar[str] = "hello"
 
 
-@dataclass
-class Assignment:
-    """Server -> one client: everything that client needs for this round.
+@dataclass(frozen=True)
+class RoundFacts:
+    """The round's facts, as the server states them to one device beside its plan: which round and model (the
+    ``GlobalModel`` named by ``sha256``), its deadline, the codec this device uploads with, whether it uploads at all
+    (FedUmf's train-only devices do not), the run, and the run's algorithm, model spec, task and seed. Set once by the
+    orchestrator, never changed on the way; the defaults serve code that trains without a server (a benchmark)."""
 
-    A strategy fills what the algorithm decides (steps tau, learning rate, TACO's alpha_i, the contract's settings
-    and arrays, a model to start from other than the global one); the orchestrator fills the round's facts.
-    On the wire an assignment carries no model: ``weights`` and the arrays every client of the round shares travel
-    once per round in the :class:`GlobalModel` named by ``model_sha256``; ``arrays`` holds only this client's own,
-    and ``global_arrays`` names the shared ones this client uses. The device puts them back before training.
-    """
-
-    local_steps: int = on_wire(integer(1))
-    lr: float = on_wire(number(positive=True))
-    batch_size: int = on_wire(integer(1))
-    # TACO's alpha_i, in every algorithm that uses it (its contract says so)
-    alpha: float | None = on_wire(number(optional=True), default=None)
-    # the contract's device settings and per-round values
-    settings: dict[str, Any] = on_wire(MAPPING, factory=dict)
-    arrays: dict[str, np.ndarray] = named_arrays("the contract's arrays for this client alone (float32)")
-    weights: np.ndarray | None = None  # not on the wire: the GlobalModel's weights (or the strategy's own start model)
-    momentum: float = on_wire(number(0.0), default=0.0)
-    weight_decay: float = on_wire(number(0.0), default=0.0)
     round: int = on_wire(NONNEG, default=0)
     model_version: int = on_wire(NONNEG, default=0)
+    sha256: str = on_wire(SHA256, default="")  # the GlobalModel this round starts from (model_digest)
     deadline_s: float = on_wire(number(positive=True), default=0.0)
-    algorithm: str = on_wire(text(max_len=64), default="")
-    model: dict[str, Any] = on_wire(MAPPING, factory=dict)
-    upload: bool = on_wire(FLAG, default=True)
-    seed: int = on_wire(NONNEG, default=0)
-    run_id: str = on_wire(RUN, key="run", default="")
-    # the GlobalModel this round starts from (model_digest of its weights and arrays)
-    model_sha256: str = on_wire(SHA256, key="sha256", default="")
-    global_arrays: list[str] = on_wire(names(), key="globals", factory=list)  # the GlobalModel's arrays it uses
     codec: str = on_wire(CODEC, default="fp32")  # the codec this device uploads with (edge_client.codecs)
+    upload: bool = on_wire(FLAG, default=True)
+    run_id: str = on_wire(RUN, key="run", default="")
+    algorithm: str = on_wire(text(max_len=64), default="")
+    model: dict[str, Any] = on_wire(MAPPING, factory=dict)  # the run's model spec
     task: dict[str, Any] = on_wire(MAPPING, factory=dict)  # the run's [task] spec (edge_client.tasks.build_task)
+    seed: int = on_wire(NONNEG, default=0)
+    # secure aggregation's terms for this device (docs/secure-aggregation.md); empty: the round uploads in the clear
+    secure: dict[str, Any] = on_wire(SECURE_TERMS, factory=dict)
+    EVERY_FIELD_REQUIRED: ClassVar[bool] = True
+
+
+@dataclass
+class Assignment:
+    """Server -> one client: the plan its strategy wants (``edge_client.plan.Plan``) and the round's facts.
+
+    Both travel as they are (``plan`` and ``facts`` are maps of their own declared fields) and the device trains the
+    plan with the facts beside it. On the wire an assignment carries no model: the plan's start model and the arrays
+    every client of the round shares travel once per round in the :class:`GlobalModel` named by ``facts.sha256``;
+    ``arrays`` holds only this client's own, and ``global_arrays`` names the shared ones its plan uses. The device's
+    model cache puts them into the plan before training.
+    """
+
+    plan: Plan = on_wire(record(Plan))
+    facts: RoundFacts = on_wire(record(RoundFacts), factory=RoundFacts)
+    arrays: dict[str, np.ndarray] = named_arrays("the plan's arrays for this client alone (float32)")
+    global_arrays: list[str] = on_wire(names(), key="globals", factory=list)  # the GlobalModel's arrays it uses
     msg_id: str = field(default_factory=new_msg_id)
     TYPE: ClassVar[str] = "assignment"
-    EVERY_FIELD_REQUIRED: ClassVar[bool] = True  # the defaults serve the strategy that starts one, not the wire
+    EVERY_FIELD_REQUIRED: ClassVar[bool] = True  # the defaults serve the code that builds one, not the wire
 
 
 @dataclass
@@ -426,6 +435,114 @@ class Refusal:
     TYPE: ClassVar[str] = "refusal"
 
 
+# ---- secure aggregation (issue 26, docs/secure-aggregation.md): a round's stages, relayed by the server ----------
+SECURE_ROUND = "a round this device was assigned securely, else out_of_round"
+ENCRYPTED_SHARES = rows(MAX_NEIGHBOURS, CID, binary(SEALED_BYTES))
+
+
+@dataclass
+class SecAggKeys:
+    """Device -> server, stage 1: the round's two public keys (share encryption, mask agreement)."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    enc_key: bytes = on_wire(binary(KEY_BYTES), note="one advert per device and round, else duplicate")
+    mask_key: bytes = on_wire(binary(KEY_BYTES))
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_keys"
+
+
+@dataclass
+class SecAggRoster:
+    """Server -> one device: its neighbours' public keys ``[id, enc_key, mask_key]`` and the sharing threshold."""
+
+    round: int = on_wire(NONNEG)
+    threshold: int = on_wire(integer(1, MAX_NEIGHBOURS + 1))
+    neighbours: list[list[Any]] = on_wire(rows(MAX_NEIGHBOURS, CID, binary(KEY_BYTES), binary(KEY_BYTES)))
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_roster"
+
+
+@dataclass
+class SecAggShares:
+    """Device -> server, stage 2: its commitment to its self-mask seed, and ``[holder, sealed]`` for each neighbour
+    (its two Shamir shares, AES-GCM encrypted for that neighbour alone)."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    commitment: str = on_wire(SHA256)
+    shares: list[list[Any]] = on_wire(
+        ENCRYPTED_SHARES, note="holders: exactly its roster's neighbours, else secagg_shares"
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_shares"
+
+
+@dataclass
+class SecAggRelay:
+    """Server -> one device: ``[owner, sealed]``, the shares its neighbours encrypted for it; it masks with them."""
+
+    round: int = on_wire(NONNEG)
+    shares: list[list[Any]] = on_wire(ENCRYPTED_SHARES)
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_relay"
+
+
+@dataclass
+class MaskedInput:
+    """Device -> server, stage 3: its clipped, weighted, quantised update plus its masks (``data``: little-endian
+    uint32 ring elements, one per parameter), with the round's scalars an ``Update`` carries."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    model_version: int = on_wire(NONNEG, note="the round's model version, else model_version")
+    client_id: str = on_wire(CID, note=SENDER)
+    local_steps: int = on_wire(NONNEG, note="the steps it was assigned, else steps")
+    compute_s: float = on_wire(number(0.0))
+    cpu_s: float = on_wire(number(0.0))
+    train_loss: float = on_wire(number(finite=False))
+    data: memoryview | bytes = blob("4 bytes per model parameter (any values: masked), else shape")
+    metrics: dict[str, Any] = on_wire(
+        FreeMap(max_bytes=8192, nested=True), factory=dict, note="stored in metrics.jsonl and the dashboard"
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    dropped: list[tuple[str, str]] = _dropped()
+    TYPE: ClassVar[str] = "masked_input"
+
+
+@dataclass
+class SecAggUnmask:
+    """Server -> one device, stage 4: which of its neighbours (and itself) sent a masked input and which dropped."""
+
+    round: int = on_wire(NONNEG)
+    survivors: list[str] = on_wire(names(MAX_NEIGHBOURS + 1))
+    dropped: list[str] = on_wire(names(MAX_NEIGHBOURS))
+    run_id: str = on_wire(RUN, key="run", default="")
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_unmask"
+
+
+@dataclass
+class SecAggReveal:
+    """Device -> server, stage 4: ``[owner, is_seed, share]``: its share of a survivor's self-mask seed or of a
+    dropped device's mask key."""
+
+    round: int = on_wire(NONNEG, note=SECURE_ROUND)
+    client_id: str = on_wire(CID, note=SENDER)
+    shares: list[list[Any]] = on_wire(
+        rows(MAX_NEIGHBOURS + 1, CID, FLAG, binary(SHARE_BYTES)),
+        note="owners it holds shares of, each as the server asked, else secagg_reveal; a wrong share fails its "
+        "secret's check and is outvoted, else the round is dropped",
+    )
+    run_id: str = on_wire(RUN, key="run", default="", note=THIS_RUN)
+    msg_id: str = field(default_factory=new_msg_id)
+    TYPE: ClassVar[str] = "secagg_reveal"
+
+
 Message = (
     Hello
     | Assignment
@@ -442,11 +559,32 @@ Message = (
     | Ack
     | Resync
     | ComputeReport
+    | SecAggKeys
+    | SecAggRoster
+    | SecAggShares
+    | SecAggRelay
+    | MaskedInput
+    | SecAggUnmask
+    | SecAggReveal
 )
 #: Every message type on the wire (chunks too) by its type name, with what the framing needs of it.
 SCHEMAS: dict[str, Schema] = {c.TYPE: schema_of(c) for c in (*get_args(Message), Chunk)}
 #: What a device may send (the server refuses the other types from a device).
-FROM_DEVICES = (Hello, Presence, Update, Failure, ModelRequest, ComputeReport, Evaluation, Resync, Chunk)
+FROM_DEVICES = (
+    Hello,
+    Presence,
+    Update,
+    Failure,
+    ModelRequest,
+    ComputeReport,
+    Evaluation,
+    Resync,
+    Chunk,
+    SecAggKeys,
+    SecAggShares,
+    MaskedInput,
+    SecAggReveal,
+)
 
 
 def device_fields_table() -> str:

@@ -63,17 +63,19 @@ class ModelCache:
     def __contains__(self, sha256: str) -> bool:
         return sha256 in self._models
 
-    def complete(self, assignment: Assignment) -> Assignment:
-        """``assignment`` with the weights and the shared arrays it names put back from its model (held: ``in``).
+    def complete(self, assignment: Assignment) -> None:
+        """Put into ``assignment``'s plan what travelled in its round's model (held: ``in``): the weights to start
+        from and the shared arrays it names, beside its own arrays. The plan is not copied.
 
         Raises ValueError when the model lacks an array the assignment names.
         """
-        model = self._models[assignment.model_sha256]
+        model = self._models[assignment.facts.sha256]
         missing = [n for n in assignment.global_arrays if n not in model.arrays]
         if missing:
             raise ValueError(f"the round's model has no array {missing[0]!r} (it has {sorted(model.arrays)})")
         shared = {n: model.arrays[n] for n in assignment.global_arrays}
-        return dataclasses.replace(assignment, weights=model.weights, arrays={**shared, **assignment.arrays})
+        plan = assignment.plan
+        plan.weights, plan.arrays = model.weights, {**shared, **assignment.arrays}
 
 
 @dataclass
@@ -88,6 +90,6 @@ class Waiting:
         """``"request"`` once ``wait_s`` has passed without the model, then ``"give_up"`` at the round's deadline."""
         if not self.requested and now >= self.since + wait_s:
             return "request"
-        if self.requested and now >= self.since + self.assignment.deadline_s:
+        if self.requested and now >= self.since + self.assignment.facts.deadline_s:
             return "give_up"
         return None

@@ -21,13 +21,16 @@ import numpy as np
 
 from edge_client import codecs
 from edge_client.messages import DTYPE, MSG_ID, SCHEMAS, Chunk, Message
-from edge_client.schema import FreeMap, Schema, is_int, short
+from edge_client.schema import FreeMap, Record, Schema, is_int, short
 
 log = logging.getLogger(__name__)
 
 # 2: assignments carry settings (the contract's), momentum, weight decay and the run id; 3: updates carry overhead_s,
-# TACO's global_delta is w_{t-1} - w_t unscaled (the accumulated correction), device maps are declared and bounded
-PROTOCOL_VERSION = 3
+# TACO's global_delta is w_{t-1} - w_t unscaled (the accumulated correction), device maps are declared and bounded;
+# 4: an assignment is the strategy's plan and the round's facts, two maps of their own declared fields, and TACO's
+# alpha_i is a per-round value of its contract (plan.settings) instead of a field of its own; assignments carry secure
+# aggregation's terms, and its stages' seven message types (edge_client.secagg)
+PROTOCOL_VERSION = 4
 MAX_HEADER_BYTES = 65536
 _U8 = "|u1"  # chunk payload bytes
 
@@ -102,28 +105,53 @@ class CompressedPayloadError(ProtocolError):
         self.reason = exc.reason
 
 
-def _check_fields(schema: Schema, f: dict[str, Any], dropped: list[tuple[str, str]] | None) -> None:
-    """Check header fields ``f`` against ``schema``; a free-form map that drops entries is replaced in ``f`` by the
-    entries that hold, and each dropped one is appended to ``dropped`` as ``(reason, text)``."""
-    t = schema.cls.TYPE  # type: ignore[attr-defined]
+def _check_fields(
+    schema: Schema, f: dict[str, Any], dropped: list[tuple[str, str]] | None, t: str = "", path: str = ""
+) -> None:
+    """Check header fields ``f`` against ``schema`` (of message type ``t``; ``path`` the record ``f`` is in, as
+    ``"plan."``); a free-form map that drops entries is replaced in ``f`` by the entries that hold, and each dropped
+    one is appended to ``dropped`` as ``(reason, text)``."""
+    t = t or schema.cls.TYPE  # type: ignore[attr-defined]
     spec = schema.fields
     for key in f:
         if key not in spec:
-            raise InvalidField(f"{t}: unknown field {short(key)} (expected one of {sorted(spec)})")
+            name = path + key if isinstance(key, str) else key
+            raise InvalidField(f"{t}: unknown field {short(name)} (expected one of {sorted(spec)})")
     for key, (_, wire) in spec.items():
         if key not in f:
             if key in schema.required:
-                raise MissingField(f"{t}: missing field {key!r}")
+                raise MissingField(f"{t}: missing field {path + key!r}")
             continue
         check, value = wire.check, f[key]
         if not check.ok(value):
-            raise InvalidField(f"{t}: field {key!r} expected {check.expected}, got {short(value)}")
-        if isinstance(check, FreeMap):
+            raise InvalidField(f"{t}: field {path + key!r} expected {check.expected}, got {short(value)}")
+        if isinstance(check, Record):
+            _check_fields(check.schema, value, dropped, t, f"{path}{key}.")
+        elif isinstance(check, FreeMap):
             f[key], problems = check.clean(key, value)
             if problems and not check.drop:
                 raise InvalidField(f"{t}: field {problems[0][1]}")
             if dropped is not None:
                 dropped += [(f"dropped_{why}", f"{t}: {what}") for why, what in problems]
+
+
+def _header_fields(schema: Schema, obj: Any) -> dict[str, Any]:
+    """``obj``'s declared fields by wire key, a record's as a map of its own."""
+    return {
+        key: _header_fields(wire.check.schema, getattr(obj, attr)) if isinstance(wire.check, Record)
+        else _coerce(getattr(obj, attr))
+        for key, (attr, wire) in schema.fields.items()
+    }  # fmt: skip
+
+
+def _attributes(schema: Schema, f: dict[str, Any]) -> dict[str, Any]:
+    """Checked header fields ``f`` as the keyword arguments of ``schema``'s class, a record built as its own."""
+    return {
+        attr: wire.check.schema.cls(**_attributes(wire.check.schema, f[key])) if isinstance(wire.check, Record)
+        else f[key]
+        for key, (attr, wire) in schema.fields.items()
+        if key in f
+    }  # fmt: skip
 
 
 class DroppedEntry(ProtocolError):
@@ -188,7 +216,7 @@ def encode(msg: Message | Chunk) -> bytes | bytearray:
     schema = SCHEMAS.get(t) if isinstance(t, str) else None
     if schema is None or not isinstance(msg, schema.cls):
         raise UnknownMessageType(f"encode: expected one of {sorted(SCHEMAS)}, got {type(msg).__name__}")
-    f = {key: _coerce(getattr(msg, attr)) for key, (attr, _) in schema.fields.items()}
+    f = _header_fields(schema, msg)
     dropped: list[tuple[str, str]] = []
     _check_fields(schema, f, dropped)
     for reason, text in dropped:  # the sender's own bug (a sensor's NaN): the message goes without the entry
@@ -343,7 +371,7 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = 256 * 2*
     t, f = header["t"], header["f"]
     try:
         schema = SCHEMAS[t]
-        kwargs: dict[str, Any] = {attr: f[key] for key, (attr, _) in schema.fields.items() if key in f}
+        kwargs = _attributes(schema, f)
         kwargs["msg_id"] = header["id"]
         if dropped:  # only a type whose maps drop entries has any (schema_of makes sure it has the field)
             kwargs["dropped"] = dropped

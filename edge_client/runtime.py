@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -41,17 +41,25 @@ from edge_client.messages import (
     Presence,
     Refusal,
     Resync,
+    RoundFacts,
+    SecAggRelay,
+    SecAggRoster,
+    SecAggUnmask,
     Stop,
     Update,
 )
 from edge_client.models import build_model, fingerprint, parameter_layout
 from edge_client.models_cache import DEFAULT_WAIT_S, ModelCache, Waiting
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.session import Session
 from edge_client.tasks import Task, build_task, evaluate, task_loss
 from edge_client.topics import Topics, validate_client_id
-from edge_client.trainer import Plan, TrainResult, plan_for, prepare_process, train_local
+from edge_client.trainer import TrainResult, prepare_process, train_local
 from edge_client.transport import Link, LinkConfig, MqttLink
+
+if TYPE_CHECKING:  # imported when a round is secure: it needs the optional cryptography package
+    from edge_client.secagg.client import SecureClient
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ class Refused(RuntimeError):
 #: Builds the client's link from its subscriptions and the hook to call on every (re)connect (in-process runs).
 LinkFactory = Callable[[list[str], Callable[[], None]], Link]
 #: One round of local training (``trainer.train_local``; experiments wrap it to simulate dishonest clients).
-TrainFn = Callable[[FlatModel, np.ndarray, ArrayDataset, BatchSampler, Plan, ClientAlgorithm], TrainResult]
+TrainFn = Callable[[FlatModel, np.ndarray, ArrayDataset, BatchSampler, Plan, ClientAlgorithm, RoundFacts], TrainResult]
 
 
 class Stateful(Protocol):
@@ -136,6 +144,7 @@ class EdgeClient:
         self.models = ModelCache()
         self.model_wait_s = model_wait_s
         self._waiting: Waiting | None = None
+        self._secure: SecureClient | None = None  # once a round is secure (it needs the `secure` extra)
         subscriptions = [
             self.topics.down(self.client_id),
             self.topics.broadcast,
@@ -254,6 +263,8 @@ class EdgeClient:
             self._serve(msg)
         elif isinstance(msg, Evaluate):
             self._evaluate(msg)
+        elif isinstance(msg, (SecAggRoster, SecAggRelay, SecAggUnmask)) and self._secure is not None:
+            self._secure.handle(msg)
         if waited is not None and self.session.admit(waited):
             self._serve(waited)
         return True
@@ -263,7 +274,7 @@ class EdgeClient:
         none, or report one whose full model does not verify."""
         ok = self.models.add(model)
         waiting = self._waiting
-        if waiting is not None and waiting.assignment.model_sha256 == model.sha256:
+        if waiting is not None and waiting.assignment.facts.sha256 == model.sha256:
             if ok:
                 self._waiting = None
                 self._serve(waiting.assignment)
@@ -271,7 +282,7 @@ class EdgeClient:
                 self._check_waiting()  # asks for the full model now, unless it asked already
             else:
                 self._waiting = None
-                a = waiting.assignment
+                a = waiting.assignment.facts
                 detail = ValueError(f"model {model.sha256} does not hash to it")
                 self._fail(a.round, a.run_id, "model_hash", detail, a.deadline_s)
 
@@ -280,17 +291,17 @@ class EdgeClient:
         waiting = self._waiting
         if waiting is None:
             return
-        a = waiting.assignment
+        a = waiting.assignment.facts
         # a difference this device could not use will not come again: ask at once
-        due = waiting.due(time.monotonic(), 0.0 if a.model_sha256 == self.models.missed else self.model_wait_s)
+        due = waiting.due(time.monotonic(), 0.0 if a.sha256 == self.models.missed else self.model_wait_s)
         if due == "request":
             waiting.requested = True
-            log.warning("round %d: model %s not received or rebuilt; asking the server", a.round, a.model_sha256[:12])
-            request = ModelRequest(a.round, self.client_id, a.model_sha256, run_id=a.run_id)
+            log.warning("round %d: model %s not received or rebuilt; asking the server", a.round, a.sha256[:12])
+            request = ModelRequest(a.round, self.client_id, a.sha256, run_id=a.run_id)
             self.link.publish(self.topics.up(self.client_id), encode(request))
         elif due == "give_up":
             self._waiting = None
-            detail = TimeoutError(f"model {a.model_sha256} not received in {a.deadline_s} s")
+            detail = TimeoutError(f"model {a.sha256} not received in {a.deadline_s} s")
             self._fail(a.round, a.run_id, "model_unavailable", detail, a.deadline_s)
 
     def _model_for(self, spec: dict[str, Any], task: Task | None = None) -> FlatModel:
@@ -349,13 +360,14 @@ class EdgeClient:
             return "", 0, ""
 
     def _mark_served(self, a: Assignment) -> None:
-        self.served = (a.run_id, a.round, a.msg_id)
+        facts = a.facts
+        self.served = (facts.run_id, facts.round, a.msg_id)
         path = self._state_path("served")
         if path is not None:
             path = path.with_suffix(".json")
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"run": a.run_id, "round": a.round, "msg_id": a.msg_id}))
+            tmp.write_text(json.dumps({"run": facts.run_id, "round": facts.round, "msg_id": a.msg_id}))
             os.replace(tmp, path)
 
     def _fail(self, round_: int, run_id: str, reason: str, exc: BaseException, deadline_s: float) -> None:
@@ -388,74 +400,112 @@ class EdgeClient:
         np.savez(tmp, **state)
         os.replace(tmp, path)
 
+    def _start_secure(self, a: Assignment) -> bool:
+        """Advertise this round's keys before training; False (reported) when this device cannot aggregate securely
+        (the ``secure`` extra is not installed)."""
+        if self._secure is None:
+            try:
+                from edge_client.secagg.client import SecureClient
+            except ImportError as exc:
+                self._fail(a.facts.round, a.facts.run_id, "secure_unavailable", exc, a.facts.deadline_s)
+                return False
+            publish = lambda msg: self.link.publish(self.topics.up(self.client_id), encode(msg))  # noqa: E731
+            self._secure = SecureClient(self.client_id, publish, self._fail, self._uploaded_securely)
+        self._secure.start(a.facts)
+        return True
+
+    def _uploaded_securely(self) -> None:
+        self.rounds_done += 1
+
     def _serve(self, assignment: Assignment) -> None:
+        """Train the assignment's plan with its round's facts beside it, and report the update (or the compute)."""
+        plan, facts = assignment.plan, assignment.facts
         run, served, msg_id = self.served
-        stale = assignment.round < served - 1 or (assignment.round == served and assignment.msg_id == msg_id)
-        if assignment.run_id == run and stale:  # e.g. replayed from the session after a restart
+        stale = facts.round < served - 1 or (facts.round == served and assignment.msg_id == msg_id)
+        if facts.run_id == run and stale:  # e.g. replayed from the session after a restart
             log.warning("round %d: skipping a stale assignment (round %d of this run already served)",
-                        assignment.round, served)  # fmt: skip
+                        facts.round, served)  # fmt: skip
             return
-        if assignment.model_sha256 not in self.models:  # its broadcast is late or was missed
+        if facts.sha256 not in self.models:  # its broadcast is late or was missed
             self._waiting = Waiting(assignment, time.monotonic())
             self._check_waiting()
             return
         self._waiting = None
         try:
-            assignment = self.models.complete(assignment)
-            model = self._model_for(assignment.model, self._task_for(assignment.task))
-            algorithm = self._algorithm_for(assignment.algorithm)
-            weights = assignment.weights
+            self.models.complete(assignment)
+            model = self._model_for(facts.model, self._task_for(facts.task))
+            algorithm = self._algorithm_for(facts.algorithm)
+            weights = plan.weights
             if weights is None or model.size != weights.size:
                 raise ValueError(
                     f"the server's model has {getattr(weights, 'size', 0)} parameters, this client's {model.size}"
                 )
-            plan = plan_for(assignment, algorithm, model.size)
+            algorithm.contract.check_plan(plan, model.size)
         except Exception as exc:  # a round this device cannot serve (its model, task or data) must not end the client
-            self._fail(assignment.round, assignment.run_id, "assignment", exc, assignment.deadline_s)
+            self._fail(facts.round, facts.run_id, "assignment", exc, facts.deadline_s)
             return
-        if self._sampler is None or self._sampler_key != (assignment.batch_size, assignment.seed):
-            self._sampler = BatchSampler(len(self.dataset), assignment.batch_size, assignment.seed, self.client_id)
-            self._sampler_key = (assignment.batch_size, assignment.seed)
+        if facts.secure and facts.upload and not self._start_secure(assignment):
+            return
+        if self._sampler is None or self._sampler_key != (plan.batch_size, facts.seed):
+            self._sampler = BatchSampler(len(self.dataset), plan.batch_size, facts.seed, self.client_id)
+            self._sampler_key = (plan.batch_size, facts.seed)
 
         bytes_down = self.link.take_bytes_in(self.topics.down(self.client_id))
         bytes_down += self.link.take_bytes_in(self.topics.round_model)
         before = self.snapshot()
         try:
-            result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm)
+            result = self.train(model, weights, self.dataset, self._sampler, plan, algorithm, facts)
         except Exception as exc:  # e.g. out of memory or a model that cannot run on this data: report, keep serving
-            log.exception("round %d: local training failed", assignment.round)
-            self._fail(assignment.round, assignment.run_id, "train_error", exc, assignment.deadline_s)
+            log.exception("round %d: local training failed", facts.round)
+            self._fail(facts.round, facts.run_id, "train_error", exc, facts.deadline_s)
             return
         after = self.snapshot()
-        if not assignment.upload:  # the server counts this compute in the fleet's, though no update follows
-            self._save_state(assignment.algorithm, algorithm)
-            report = ComputeReport(assignment.round, self.client_id, result.local_steps, result.compute_s,
-                                   result.cpu_s, run_id=assignment.run_id)  # fmt: skip
+        if not facts.upload:  # the server counts this compute in the fleet's, though no update follows
+            self._save_state(facts.algorithm, algorithm)
+            report = ComputeReport(facts.round, self.client_id, result.local_steps, result.compute_s,
+                                   result.cpu_s, run_id=facts.run_id)  # fmt: skip
             self.link.publish(self.topics.up(self.client_id), encode(report))
             self._mark_served(assignment)
             log.info(
                 "round %d: trained %d steps in %.3f s, kept locally (not selected to upload)",
-                assignment.round,
+                facts.round,
                 result.local_steps,
                 result.compute_s,
             )
             return
 
+        metrics = {
+            "threads": self.threads,
+            "before": before,
+            "after": after,
+            "round": device.summarise(before, after),
+            "bytes_down": bytes_down,
+            "last_upload": self._last_upload,
+        }
+        if self._secure is not None and facts.secure:  # no update: the masked input goes in the stages
+            self._save_state(facts.algorithm, algorithm)
+            scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
+                       "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
+            self._secure.trained(result.delta, scalars, algorithm.contract.needs == "mean_per_step")
+            self._mark_served(assignment)
+            log.info("round %d: %d steps in %.3f s, loss %.4f; the masked input follows the secure stages",
+                     facts.round, result.local_steps, result.compute_s, result.train_loss)  # fmt: skip
+            return
         t0 = time.perf_counter()
         try:  # the upload codec; a commit array's value is adopted by the algorithm before its state is saved
-            delta, arrays = self.uplink.encode(assignment, algorithm, result.delta, result.arrays)
+            delta, arrays = self.uplink.encode(facts, algorithm, result.delta, result.arrays)
         except ValueError as exc:  # e.g. a diverged round's NaN, which no lossy codec carries
             delta, arrays, encode_error = result.delta, result.arrays, exc
         else:
             encode_error = None
-        self._save_state(assignment.algorithm, algorithm)
+        self._save_state(facts.algorithm, algorithm)
         self._save_state("uplink", self.uplink)
         if encode_error is not None:
-            self._fail(assignment.round, assignment.run_id, "encode", encode_error, assignment.deadline_s)
+            self._fail(facts.round, facts.run_id, "encode", encode_error, facts.deadline_s)
             return
         update = Update(
-            round=assignment.round,
-            model_version=assignment.model_version,
+            round=facts.round,
+            model_version=facts.model_version,
             client_id=self.client_id,
             num_samples=len(self.dataset),
             local_steps=result.local_steps,
@@ -464,30 +514,23 @@ class EdgeClient:
             overhead_s=result.overhead_s,
             train_loss=result.train_loss,
             delta=delta,
-            metrics={
-                "threads": self.threads,
-                "before": before,
-                "after": after,
-                "round": device.summarise(before, after),
-                "bytes_down": bytes_down,
-                "last_upload": self._last_upload,
-            },
+            metrics=metrics,
             extras=result.extras,
             arrays=arrays,
-            run_id=assignment.run_id,
+            run_id=facts.run_id,
         )
         payload = encode(update)
         serialize_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        sent = self._report(update, payload, assignment.deadline_s)
-        self.link.wait_published(timeout=max(assignment.deadline_s, 30.0))
+        sent = self._report(update, payload, facts.deadline_s)
+        self.link.wait_published(timeout=max(facts.deadline_s, 30.0))
         # Serialising and uploading happen after the update is built, so they travel with the next one.
         self._last_upload = {"bytes": sent, "serialize_s": serialize_s, "upload_s": time.perf_counter() - t1}
         self._mark_served(assignment)
         self.rounds_done += 1
         log.info(
             "round %d: %d steps in %.3f s (cpu %.3f s), loss %.4f, serialise %.3f s, upload %d bytes in %.3f s",
-            assignment.round,
+            facts.round,
             result.local_steps,
             result.compute_s,
             result.cpu_s,

@@ -8,7 +8,9 @@ the error a peer gets and the docs say the same thing.
 
 A :class:`FreeMap` is a map a device fills as it likes (telemetry, device facts, metric values): declared by what its
 entries may be (JSON-safe scalars, a bounded number of keys and bytes). Entries outside are dropped with a reason, or
-the whole message is refused where a missing entry would change what the server decides (``drop=False``).
+the whole message is refused where a missing entry would change what the server decides (``drop=False``). A
+:class:`Record` is a map whose entries are another dataclass's declared fields (an assignment's plan and round facts):
+each is checked by its own declaration.
 """
 
 from __future__ import annotations
@@ -94,6 +96,27 @@ def text(pattern: str | None = None, *, max_len: int | None = None, choices: tup
         )
 
     return Check("str", bound, f"a str {bound}".rstrip(), ok)
+
+
+def binary(size: int) -> Check:
+    """Raw bytes of exactly ``size`` (a key, a commitment's preimage never: those are hex text)."""
+    return Check("bin", f"{size} bytes", f"{size} bytes", lambda v: isinstance(v, bytes) and len(v) == size)
+
+
+def rows(count: int, *columns: Check) -> Check:
+    """A list of at most ``count`` rows, each a list of one value per column; the first column (an id) distinct."""
+    bound = f"<= {count} rows [{', '.join(c.expected for c in columns)}], first column distinct"
+
+    def ok(v: Any) -> bool:
+        if not isinstance(v, list) or len(v) > count:
+            return False
+        good = all(
+            isinstance(r, list) and len(r) == len(columns) and all(c.ok(x) for c, x in zip(columns, r, strict=True))
+            for r in v
+        )
+        return good and len({r[0] for r in v}) == len(v)
+
+    return Check("list", bound, f"a list of {bound}", ok)
 
 
 FLAG = Check("bool", "", "a bool", lambda v: isinstance(v, bool))
@@ -255,12 +278,38 @@ class FreeMap:
 
 # ----------------------------------------------------------------------------------------------- declarations
 @dataclass(frozen=True)
+class Record:
+    """A map whose entries are another dataclass's declared fields (an assignment's plan and round facts), each
+    checked by its own declaration as a message's header fields are; ``schema`` is that dataclass's."""
+
+    schema: Schema
+    wire: ClassVar[str] = "map"
+
+    @property
+    def bound(self) -> str:
+        return f"the fields of {self.schema.cls.__name__}"
+
+    @property
+    def expected(self) -> str:
+        return f"a map of {self.schema.cls.__name__}'s fields"
+
+    def ok(self, v: Any) -> bool:
+        """The map as a whole (its entries are checked by the record's own declarations)."""
+        return isinstance(v, dict)
+
+
+def record(cls: type) -> Record:
+    """The declaration of a field that carries a ``cls`` (a dataclass whose fields are declared with ``on_wire``)."""
+    return Record(schema_of(cls))
+
+
+@dataclass(frozen=True)
 class Wire:
     """A header field's declaration: ``key`` on the wire ("" = the attribute's name), its check, whether the frame
     must carry it, and ``note``: what the server checks later (the docs table shows it)."""
 
     key: str
-    check: Check | FreeMap
+    check: Check | FreeMap | Record
     required: bool
     note: str
 
@@ -277,7 +326,7 @@ class ArrayDecl:
 
 
 def on_wire(
-    check: Check | FreeMap, *, key: str = "", default: Any = MISSING, factory: Any = MISSING, note: str = ""
+    check: Check | FreeMap | Record, *, key: str = "", default: Any = MISSING, factory: Any = MISSING, note: str = ""
 ) -> Any:
     """A dataclass field carried in the header under ``key``; required on the wire exactly when it has no default."""
     required = default is MISSING and factory is MISSING

@@ -67,6 +67,10 @@ class Session:
         self.since = ""  # the hello that opened the current connection (what the server sent after it, we have)
         self._ask_now = False
         self._resend_now = False
+        self._connections = 0  # broker connections of this process so far
+        #: (connection, run) of the last registration the server accepted: a device says hello on every connect and
+        #: every server announcement, and logs only a registration that is news
+        self._registration: tuple[int, str] | None = None
 
     # -- triggers ------------------------------------------------------------------------------------------------
     def connected(self, session_present: bool, hello: str) -> None:
@@ -74,6 +78,7 @@ class Session:
         ask for the assignment if the session (or the process) is new."""
         self.sending(hello, "hello")
         with self._lock:
+            self._connections += 1
             self.since = hello
             self._want_assignment |= not session_present
             self._ask_now = self._want_assignment
@@ -112,7 +117,7 @@ class Session:
                 log.warning("round %d: the server refused the %s (%s): %s", p.round, p.what, ack.reason, ack.detail)
         elif what == "hello":
             if ack.accepted:
-                log.info("registered with the server (run %s, round %d)", ack.run_id, ack.round)
+                self._registered(ack)
             else:
                 log.warning("the server refused this device's registration (%s): %s", ack.reason, ack.detail)
         elif what == "resync":
@@ -121,6 +126,21 @@ class Session:
         if ack.accepted and ack.run_id != self.left:
             self.joined = ack.run_id
         return released
+
+    def _registered(self, ack: Ack) -> None:
+        """Log a registration once, and a new one with its reason; a repeat (the hello that answers the server's
+        announcement, of the same run on the same connection) only at debug level."""
+        now, before = (self._connections, ack.run_id), self._registration
+        self._registration = now
+        if before is None:
+            log.info("registered with the server (run %s, round %d)", ack.run_id, ack.round)
+        elif now[0] != before[0]:
+            log.info("registered with the server again after reconnecting (run %s, round %d)", ack.run_id, ack.round)
+        elif now != before:
+            log.info("registered with the server again for its new run %s (was %s, round %d)",
+                     ack.run_id, before[1], ack.round)  # fmt: skip
+        else:
+            log.debug("the server confirmed this device's registration (run %s): it had announced itself", ack.run_id)
 
     def _tell(self, run_id: str) -> Assignment | None:
         if run_id != self.told:
@@ -139,22 +159,24 @@ class Session:
     def admit(self, a: Assignment) -> bool:
         """Whether to serve ``a`` now: an assignment of the current run. Before the device knows the run it waits
         (the newest one only); of another run, or of the run this device left, it is logged and ignored."""
+        facts = a.facts
         if self.told is None:
             if self.held is not None:
-                log.info("round %d of run %s: replaced by a newer assignment", self.held.round, self.held.run_id)
-            log.info("round %d of run %s: held until the server says which run is current", a.round, a.run_id)
+                held = self.held.facts
+                log.info("round %d of run %s: replaced by a newer assignment", held.round, held.run_id)
+            log.info("round %d of run %s: held until the server says which run is current", facts.round, facts.run_id)
             self.held = a
             return False
-        if a.run_id != self.told or a.run_id == self.left:
-            why = f"the server's current run is {self.told}" if a.run_id != self.told else "that run has ended"
-            log.warning("ignoring an assignment of run %s (round %d): %s", a.run_id, a.round, why)
+        if facts.run_id != self.told or facts.run_id == self.left:
+            why = f"the server's current run is {self.told}" if facts.run_id != self.told else "that run has ended"
+            log.warning("ignoring an assignment of run %s (round %d): %s", facts.run_id, facts.round, why)
             return False
-        self.joined, self._assigned_at = a.run_id, self.clock()
+        self.joined, self._assigned_at = facts.run_id, self.clock()
         with self._lock:
             self._want_assignment = False
         p = self.pending
-        if p is not None and a.round >= p.round:  # the server moved on: that round is closed
-            log.info("round %d: no answer to the %s before round %d began", p.round, p.what, a.round)
+        if p is not None and facts.round >= p.round:  # the server moved on: that round is closed
+            log.info("round %d: no answer to the %s before round %d began", p.round, p.what, facts.round)
             self.pending = None
         return True
 
@@ -164,7 +186,7 @@ class Session:
             now = f"this device is in run {self.joined}" if self.joined else "this device has not joined it"
             log.warning("ignoring the server's stop of run %s (%s): %s", s.run_id, s.reason, now)
             return False
-        log.info("run %s finished: %s", s.run_id, s.reason)
+        log.info("run %s ended: %s", s.run_id, s.reason)
         self.left, self.joined, self.pending, self.held = self.joined, None, None, None
         return True
 

@@ -39,17 +39,21 @@ DEFAULT_MODELS: dict[str, dict[str, Any]] = {
 LR = 0.01
 
 
-def make_plan(algorithm: str, size: int, *, steps: int, batch_size: int, version: int = 0) -> Any:
-    """A plausible plan of round ``version`` for ``algorithm``, from its contract alone (no server involved)."""
+def make_plan(algorithm: str, size: int, *, steps: int, batch_size: int) -> Any:
+    """A plausible plan for ``algorithm``, from its contract alone (no server involved)."""
     from edge_client.algorithms import contract_of
-    from edge_client.algorithms.taco import ALPHA_INIT
-    from edge_client.trainer import Plan
+    from edge_client.plan import Plan
 
     contract = contract_of(algorithm)
     arrays = {a.name: np.zeros(size, dtype=np.float32) for a in contract.sends}
-    alpha = ALPHA_INIT.default if contract.uses_alpha else None
-    return Plan(steps, LR, batch_size, contract.example_sent(), arrays, alpha=alpha, round=version + 1,
-                model_version=version)  # fmt: skip
+    return Plan(steps, LR, batch_size, contract.example_sent(), arrays)
+
+
+def facts_of(version: int) -> Any:
+    """The facts of the round that starts from model ``version`` (a benchmark's rounds follow one another)."""
+    from edge_client.messages import RoundFacts
+
+    return RoundFacts(round=version + 1, model_version=version)
 
 
 def _num_classes(spec: Mapping[str, Any], model: Any, shape: tuple[int, ...]) -> int:
@@ -90,9 +94,9 @@ class _Runner:
         """One round of ``steps`` local steps from the current weights."""
         from edge_client.trainer import train_local
 
-        plan = make_plan(self.algorithm_name, self.flat.size, steps=steps, batch_size=self.batch_size,
-                         version=self.version)  # fmt: skip
-        result = train_local(self.flat, self.weights, self.dataset, self.sampler, plan, self.algorithm)
+        plan = make_plan(self.algorithm_name, self.flat.size, steps=steps, batch_size=self.batch_size)
+        facts = facts_of(self.version)
+        result = train_local(self.flat, self.weights, self.dataset, self.sampler, plan, self.algorithm, facts)
         self.version += 1
         return result
 

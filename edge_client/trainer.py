@@ -1,4 +1,4 @@
-"""The local optimisation loop: exactly ``local_steps`` SGD steps, timed on their own.
+"""The local optimisation loop: exactly the plan's ``steps`` SGD steps, timed on their own.
 
 Wall time (``perf_counter``) and process CPU time (``process_time``, which sums torch's threads) cover the local
 computation only, the algorithm's own work included (FedVeca's local gradient, STEM's second gradient); loading
@@ -8,9 +8,10 @@ outside the steps (the algorithm's ``begin_round`` and ``end_round``: a fixed co
 made FedVeca's steps look many times dearer than they are.
 
 The local optimiser is plain SGD (ALGORITHMS.md C7), with the run's ``momentum`` and ``weight_decay`` when set
-(FedUmf's paper uses 0.5 and 5e-4); the momentum buffer is reset every round. ``train_local`` takes a :class:`Plan`,
-not a network message, so the server's own training (DRAG-BR's root reference) and the device benchmark run the
-same loop as a device.
+(FedUmf's paper uses 0.5 and 5e-4); the momentum buffer is reset every round. ``train_local`` takes the
+:class:`~edge_client.plan.Plan` a strategy made and the round's facts as the assignment carried them, not a network
+message, so the server's own training (DRAG-BR's root reference) and the device benchmark run the same loop as a
+device.
 """
 
 from __future__ import annotations
@@ -24,42 +25,14 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.dp import privatize
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment
+from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 
-
-@dataclass
-class Plan:
-    """One round of local training: the steps and optimiser, the algorithm's settings and arrays, and the round facts
-    a client half may need (TACO's model version and alpha_i, FedUmf's round and whether it uploads)."""
-
-    steps: int
-    lr: float
-    batch_size: int
-    settings: dict[str, Any] = field(default_factory=dict)
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    alpha: float | None = None
-    round: int = 0
-    model_version: int = 0
-    upload: bool = True
-
-
-def plan_for(assignment: Assignment, algorithm: ClientAlgorithm, size: int) -> Plan:
-    """The plan of an assignment, its settings, values and arrays checked against the algorithm's contract."""
-    contract = algorithm.contract
-    settings = contract.read_sent(assignment.settings, assignment.arrays, size)
-    if contract.uses_alpha and assignment.alpha is None:
-        raise ContractError(f"{contract.name}.alpha: missing from the assignment (TACO's alpha_i of this client)")
-    a = assignment
-    return Plan(
-        a.local_steps, a.lr, a.batch_size, settings, dict(a.arrays), a.momentum, a.weight_decay, a.alpha, a.round,
-        a.model_version, a.upload,
-    )  # fmt: skip
+#: The facts of a round trained without a server (the server's own training, a benchmark): round 0, model version 0.
+NO_FACTS = RoundFacts()
 
 
 @dataclass
@@ -95,11 +68,12 @@ def train_local(
     sampler: BatchSampler,
     plan: Plan,
     algorithm: ClientAlgorithm,
+    facts: RoundFacts = NO_FACTS,
 ) -> TrainResult:
     """Run the plan's local steps from ``weights`` and return the update."""
     flat.load(weights)
     flat.module.train()
-    ctx = LocalContext(flat, flat.params.clone(), plan, dataset, sampler)
+    ctx = LocalContext(flat, flat.params.clone(), plan, facts, dataset, sampler)
     lr, momentum, weight_decay = plan.lr, plan.momentum, plan.weight_decay
     buf = torch.zeros_like(flat.params) if momentum else None
     x, y = dataset.x, dataset.y

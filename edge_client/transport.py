@@ -74,6 +74,28 @@ class LinkConfig:
         return parts.hostname, parts.port or (8883 if tls else 1883), tls
 
 
+def speaks_tls(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether the listener at host:port completes a TLS handshake (any certificate: this only asks which scheme)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw, context.wrap_socket(raw):
+            return True
+    except OSError:  # ssl.SSLError included: a plain listener, or nothing there
+        return False
+
+
+def scheme_mismatch(config: LinkConfig) -> str | None:
+    """Why a broker may never answer: the URL's scheme and the listener disagree about TLS (None: they agree)."""
+    host, port, tls = config.endpoint()
+    if not tls and speaks_tls(host, port):
+        return f"the listener at {host}:{port} speaks TLS: use mqtts://{host}:{port} with --ca-file"
+    if tls and not speaks_tls(host, port):
+        return f"the listener at {host}:{port} does not complete a TLS handshake: use mqtt:// or the broker's TLS port"
+    return None
+
+
 class LoginRefused(ConnectionError):
     """The broker refused this login (bad username or password, or not authorised): retrying cannot help."""
 
@@ -370,9 +392,14 @@ class MqttLink(Inbox):
                 error = LoginRefused if self._login_refused else ConnectionError
                 raise error(
                     f"could not connect to {self.config.url} as {self.config.username!r}: "
-                    + (self._connect_error or f"no answer within {self.config.connect_timeout_s:.0f} s")
+                    + (self._connect_error or self._silence())
                 )
         return self
+
+    def _silence(self) -> str:
+        """What a broker that never answered says: nothing, unless its listener and the URL disagree about TLS."""
+        mismatch = scheme_mismatch(self.config)
+        return f"no answer within {self.config.connect_timeout_s:.0f} s" + (f"; {mismatch}" if mismatch else "")
 
     def stop(self) -> None:
         self._client.disconnect()

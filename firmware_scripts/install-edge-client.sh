@@ -16,7 +16,8 @@ identity (written once), and the systemd unit edgefl-client.service.
 
 Package source (one of):
   --wheels DIR         offline install from a wheel bundle (make-wheel-bundle.sh): pip --no-index --find-links DIR
-  --package SPEC       pip requirement or path to install (default: edgefl; with --wheels it is looked up in DIR)
+  --package SPEC       pip requirement or path to install (default: with --wheels edgefl-mqtt, looked up in DIR;
+                       else the source tree this script is in)
   --skip-pip           create the venv but install nothing into it (staging tests)
   --no-deps            install the package without its dependencies (tests; dependencies come from elsewhere)
   --python PY          interpreter for the venv (default: python3)
@@ -261,8 +262,15 @@ if [ "$SKIP_PIP" -eq 0 ]; then
         pip_args+=(--no-index --find-links "$WHEELS")
         [ -f "$WHEELS/constraints.txt" ] && pip_args+=(--constraint "$WHEELS/constraints.txt")
     fi
-    log "installing ${PACKAGE:-edgefl} into $PREFIX/venv"
-    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip "${pip_args[@]}" "${PACKAGE:-edgefl}"
+    # "edgefl" on the public package index is another project: never install a bare name from there
+    if [ -z "$PACKAGE" ] && [ -n "$WHEELS" ]; then
+        PACKAGE=edgefl-mqtt
+    elif [ -z "$PACKAGE" ]; then
+        PACKAGE=$(dirname "$HERE")
+        [ -f "$PACKAGE/pyproject.toml" ] || die "no edgefl source tree at $PACKAGE: give --wheels DIR or --package SPEC"
+    fi
+    log "installing $PACKAGE into $PREFIX/venv"
+    PIP_NO_CACHE_DIR=1 "$VENV/bin/python" -m pip "${pip_args[@]}" "$PACKAGE"
 fi
 [ ! -f "$HERE/README.md" ] || install -m 0644 "$HERE/README.md" "$R_PREFIX/README.md"
 

@@ -91,9 +91,9 @@ fi
 # 1. the project's own wheel (pure Python)
 run "$PY" -m pip wheel --quiet --no-deps "$PROJECT" -w "$OUT"
 if [ "$DRY" -eq 1 ]; then
-    WHEEL="$OUT/edgefl-VERSION-py3-none-any.whl"
+    WHEEL="$OUT/edgefl_mqtt-VERSION-py3-none-any.whl"
 else
-    WHEEL=$(find "$OUT" -maxdepth 1 -name 'edgefl-*.whl' -printf '%T@ %p\n' | sort -rn | head -n1 | cut -d' ' -f2-)
+    WHEEL=$(find "$OUT" -maxdepth 1 -name 'edgefl_mqtt-*.whl' -printf '%T@ %p\n' | sort -rn | head -n1 | cut -d' ' -f2-)
     [ -n "$WHEEL" ] || die "no edgefl wheel was built in $OUT"
 fi
 
@@ -114,9 +114,9 @@ if [ "$RESOLVER" = uv ]; then
         fi
     fi
     if [ "$DRY" -eq 0 ]; then
-        printf '%s\n' "$TORCH" "$ORT" "$NUMPY" "edgefl @ file://$WHEEL" >"$OUT/requirements.in"
+        printf '%s\n' "$TORCH" "$ORT" "$NUMPY" "edgefl-mqtt @ file://$WHEEL" >"$OUT/requirements.in"
     else
-        log "would write $OUT/requirements.in: $TORCH, $ORT, $NUMPY, edgefl @ file://$WHEEL"
+        log "would write $OUT/requirements.in: $TORCH, $ORT, $NUMPY, edgefl-mqtt @ file://$WHEEL"
     fi
     overrides=()
     if [ "$KNOWN_BAD" -eq 1 ]; then # edgefl's metadata excludes these pins: override it for the negative control

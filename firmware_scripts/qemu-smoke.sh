@@ -38,7 +38,7 @@ Options:
   --cpu MODEL          CPU model the emulator presents (default: cortex-a72, the Raspberry Pi 4's)
   --rounds N           federated rounds (default: 2)
   --local-steps N      local SGD steps per round (default: 100: two rounds take the CNN well above chance)
-  --server-python PY   this machine's interpreter with edgefl[server] (default: $REPO/.venv/bin/python)
+  --server-python PY   this machine's interpreter with edgefl-mqtt[server] (default: $REPO/.venv/bin/python)
   --no-footprint       skip step 6
   --fresh              rebuild the root
   -h, --help           this text

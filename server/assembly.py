@@ -11,18 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from edge_client.data import ArrayDataset
+from edge_client.factories import FACTORY_KEY
+from edge_client.models import INPUT_SHAPE_KEY
 from edge_client.tasks import build_task
 from edge_client.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
-from server.datasets import DatasetBundle, load_dataset, split_root
+from server.datasets import NO_DATA, DatasetBundle, load_dataset, split_root
 from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator, RoundObserver, train_settings
 from server.strategies import Strategy, make_strategy
 from server.target import Target, eval_mode, run_target
-
-#: ``data.dataset`` of a server that holds no data: the devices evaluate (``[eval] mode = "clients"``).
-NO_DATA = "none"
 
 
 def build_strategy(config: RunConfig) -> Strategy:
@@ -33,7 +32,8 @@ def build_strategy(config: RunConfig) -> Strategy:
 
 
 def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any]:
-    """The configured model, or the data set's default; either way with the data set's input standardisation."""
+    """The configured model, or the data set's default; either way with the data set's input standardisation, and a
+    factory model's ``input_shape`` (for the ONNX export) one sample of the data set's unless configured."""
     if bundle is None:
         if not config.model:
             raise ConfigError(
@@ -41,14 +41,27 @@ def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any
                 'name = ... or factory = "package.module:callable"'
             )
         return dict(config.model)
-    return {**bundle.input_stats, **config.model} if config.model else bundle.model
+    if not config.model:
+        return bundle.model
+    shape = {INPUT_SHAPE_KEY: list(bundle.train.x.shape[1:])} if FACTORY_KEY in config.model else {}
+    return {**bundle.input_stats, **shape, **config.model}
+
+
+def dataset_of(config: RunConfig) -> DatasetBundle:
+    """The configured data set (``[data] dataset``, and ``label_column`` for a CSV file), split by the run's seed."""
+    return load_dataset(config.data.dataset, seed=config.run.seed, label_column=config.data.label_column)
+
+
+def dataset_name(bundle: DatasetBundle | None) -> str:
+    """The data set as summaries and the dashboard name it: the bundle's name, or "none" for a server without."""
+    return bundle.name if bundle else NO_DATA
 
 
 def server_data(config: RunConfig) -> tuple[DatasetBundle | None, ArrayDataset | None]:
     """The data set the server holds (None with ``data.dataset = "none"``) and the root data set of the algorithm."""
     if config.data.dataset == NO_DATA:
         return split_clients(config, None)
-    return split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+    return split_clients(config, dataset_of(config))
 
 
 def run_target_of(config: RunConfig, bundle: DatasetBundle | None) -> Target:
@@ -88,9 +101,12 @@ def make_orchestrator(
     """The server for ``bundle``: the configured model, evaluated on the data set's test split (or, without a data
     set, by the devices)."""
     spec = model_spec(config, bundle)
-    summary_extra = {"dataset": bundle.name if bundle else NO_DATA, "partition": config.data.partition,
+    summary_extra = {"dataset": dataset_name(bundle), "partition": config.data.partition,
                      "seed": config.run.seed}  # fmt: skip
-    return Orchestrator(
+    from server.buffered.loop import BufferedOrchestrator
+
+    loop = BufferedOrchestrator if config.train.mode == "buffered" else Orchestrator
+    return loop(
         config,
         link_config,  # type: ignore[arg-type]  # unused when ``link`` is given
         Evaluator(spec, bundle.test, build_task(config.task)) if bundle else None,

@@ -18,6 +18,7 @@ from edge_client.transport import LinkConfig
 from server import device_profiles
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
+from server.live_state import run_facts
 from server.metrics_endpoint import METRICS_HELP, serve_metrics
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ BROKER_DIED = 69  # EX_UNAVAILABLE: `edge-server broker` exits with it when its 
 
 DATASET_HELP = (
     "mnist, mnist-parity, digits, fmnist, adult, shakespeare, NAME:DIR for your own files, or a path to an .npz / "
-    "idx directory (docs/datasets.md)"
+    "idx directory / .csv file with --label-column (docs/datasets.md)"
 )
 FLEET_HELP = (
     "simulated device classes in client order, e.g. pi5:2,pi4:5,pi3:3 (edge-server fleet list; --clients follows): "
@@ -44,12 +45,13 @@ DASHBOARD_HELP = (
 )
 # flag -> (config key, type, help)
 RUN_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--algorithm": ("train__algorithm", str, "aggregation algorithm (see README)"),
+    "--algorithm": ("train__algorithm", str, "aggregation algorithm (docs/algorithms.md)"),
     "--dataset": (
         "data__dataset",
         str,
         DATASET_HELP,
     ),
+    "--label-column": ("data__label_column", str, "a .csv --dataset: the column holding the target (docs/datasets.md)"),
     "--rounds": ("run__rounds", int, "number of rounds"),
     "--local-steps": ("train__local_steps", int, "local SGD steps per round (tau)"),
     "--batch-size": ("train__batch_size", int, "mini-batch size"),
@@ -69,7 +71,7 @@ RUN_FLAGS: dict[str, tuple[str, type, str]] = {
     "--codec": (
         "train__codec",
         str,
-        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (README: Compression); with "
+        "upload codec of every device: fp32, fp16, int8, topk:F or topk:F+int8 (docs/compression.md); with "
         "train.codec_policy = 'link' in the config, the codec of devices whose link is not measured yet",
     ),
     "--max-packet-size": (
@@ -144,6 +146,7 @@ def _setup_logging(out_dir: Path, verbose: bool, log_name: str = "server.log") -
     # A bench's console is its progress bar and one line per run; warnings of its many runs stay in bench.log.
     quiet = logging.ERROR if log_name == "bench.log" else logging.WARNING
     console = RichHandler(level=logging.INFO if verbose else quiet, show_path=False, markup=False)
+    console.setFormatter(logging.Formatter("%(name)s: %(message)s"))  # the handler shows the level itself
     logging.basicConfig(level=logging.INFO, handlers=[file_handler, console], force=True)
 
 
@@ -190,7 +193,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from server.experiments.simulate import client_ids, prepare_shards
 
     ids = [i for i in (args.ids or "").split(",") if i] or client_ids(args.clients)
-    bundle = load_dataset(args.dataset, seed=args.seed)
+    bundle = load_dataset(args.dataset, seed=args.seed, label_column=args.label_column)
     shards, table = prepare_shards(bundle, ids, args.partition, args.seed, Path(args.out))
     _print_partition(bundle, args.partition, table)
     print(f"wrote {len(shards)} shards to {args.out}/ (copy <id>.npz to each device, pass it as --data)")
@@ -198,8 +201,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from server.assembly import run_target_of, split_clients
-    from server.datasets import load_dataset
+    from server.assembly import dataset_name, dataset_of, run_target_of, split_clients
     from server.experiments.inprocess import run_inprocess
     from server.experiments.simulate import ClientLogin, client_ids, prepare_shards, run_processes
     from server.progress import RoundProgress
@@ -207,13 +209,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = _config(args)
     out_dir = Path(config.run.out)
     _setup_logging(out_dir, args.verbose)
-    bundle, root = split_clients(config, load_dataset(config.data.dataset, seed=config.run.seed))
+    bundle, root = split_clients(config, dataset_of(config))
     ids = client_ids(config.clients.count)
     shards, table = prepare_shards(bundle, ids, config.data.partition, config.run.seed, out_dir / "shards")
     _print_partition(bundle, config.data.partition, table)
     target = run_target_of(config, bundle)
     with (
-        serve_dashboard(args.dashboard, out_dir),
+        serve_dashboard(args.dashboard, out_dir, run_facts(config, dataset_name(bundle), target.value)),
         RoundProgress(config.run.rounds, target) as progress,
         serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
     ):
@@ -281,7 +283,7 @@ def fleet_table(profiles: dict[str, Any]) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from server.assembly import make_orchestrator, run_target_of, server_data
+    from server.assembly import dataset_name, make_orchestrator, run_target_of, server_data
     from server.progress import RoundProgress
 
     config = _config(args)
@@ -296,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         with (
-            serve_dashboard(args.dashboard, out_dir),
+            serve_dashboard(args.dashboard, out_dir, run_facts(config, dataset_name(bundle), target.value)),
             RoundProgress(config.run.rounds, target) as progress,
             serve_metrics(args.metrics, out_dir, target, config.train.algorithm, progress) as observer,
         ):
@@ -475,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="iid",
         help=PARTITION_HELP,
     )
+    part.add_argument("--label-column", default="", help=RUN_FLAGS["--label-column"][2])
     part.add_argument("--clients", type=int, default=10, help="number of shards (ids client-00 ..)")
     part.add_argument("--ids", help="comma-separated device ids instead of client-NN")
     part.add_argument("--seed", type=int, default=0, help="partition seed")
@@ -513,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fleet",
         help="device profiles for simulated fleets: list them, or calibrate one from a real device's benchmark",
         description="A profile is a CPU share of one core of this machine plus uplink and downlink rates; "
-        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (README: heterogeneous fleets).",
+        "--fleet pi5:2,pi4:5,pi3:3 on simulate and bench uses them (docs/fleets.md).",
     )
     fleet_sub = fleet.add_subparsers(dest="fleet_command", required=True)
     listing = fleet_sub.add_parser("list", help="the shipped profiles (and a config's [fleet.profiles.NAME])")

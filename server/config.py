@@ -11,13 +11,15 @@
              deadline_s, holdout (simulated devices)
 [train]      algorithm, local_steps, batch_size, lr, momentum, weight_decay, max_update_norm, max_norm_ratio,
              store_ram_mb, steps_policy, round_budget_s, tau_min, tau_max, codec, codec_policy, upload_budget_s,
-             codec_ladder, downlink_codec
+             codec_ladder, downlink_codec, mode, concurrency, buffer_size, server_lr, staleness_weight,
+             staleness_exponent, max_staleness
 [algorithm.<name>]   that algorithm's settings, as its contract declares them (edge_client/algorithms/<name>.py)
 [fleet]      devices ("pi5:2,pi4:5,pi3:3"), and [fleet.profiles.<name>] tables (server/device_profiles.py): simulated
 [simulation] threads, freeloaders, attackers, attack_sigma: simulated clients only
 [broker]     url, username, password, ca_file, chunk_size, max_packet_size, devices
 [privacy]    mode = off | central | local, clip_norm, noise_multiplier, target_epsilon, delta, adaptive_clipping,
-             target_quantile, clip_learning_rate, secure_aggregation (docs/privacy.md; checked by server/dp/settings.py)
+             target_quantile, clip_learning_rate (docs/privacy.md; checked by server/dp/settings.py),
+             secure_aggregation, threshold, neighbours, quantisation_bits, stage_deadline_s (docs/secure-aggregation.md)
 ```
 
 Every float key must be finite (TOML's ``inf`` and ``nan`` are refused at load, naming the key), except the keys whose
@@ -40,6 +42,7 @@ import tomllib
 
 from edge_client import codecs
 from edge_client.algorithms import CONTRACTS, contract_of
+from server.buffered.staleness import MODES, STALENESS_WEIGHTS
 from server.device_profiles import fleet_size, profiles
 from server.dp.settings import PrivacySection, privacy_refusal
 from server.strategies.store import DEFAULT_RAM_BYTES
@@ -53,30 +56,32 @@ class ConfigError(ValueError):
 
 @dataclass
 class RunSection:
-    rounds: int = 30
+    rounds: int = 30  # rounds to train
     target_accuracy: float = 0.97  # classification's shorthand for target_metric = "accuracy", target = ...
     target: float | None = None  # the value of target_metric counted as reached (time-to-target)
-    target_metric: str = ""  # default: the task's main metric (accuracy, rmse, auc)
+    target_metric: str = ""  # default: the task's main metric (accuracy, rmse, auc); "loss" works for every task
     higher_is_better: bool | None = None  # default: the metric's own direction
+    # true: stop once a round reaches the target (a server evaluation is seen while the next round trains, so that
+    # round finishes too)
     stop_at_target: bool = False
-    seed: int = 0
-    out: str = "runs/latest"
-    job: str = "default"
+    seed: int = 0  # seeds the partition, the held-out splits and what the run draws at random
+    out: str = "runs/latest"  # the run's output directory (metrics.jsonl, summary.json, plots, checkpoint, logs)
+    job: str = "default"  # topic namespace: several jobs can share one broker
 
 
 @dataclass
 class ClientsSection:
-    count: int = 10  # simulate: client processes to start
+    count: int = 10  # simulate: client processes to start; run: devices to wait for before round 1
     min_clients: int = 0  # clients to wait for before round 1 (0: all of `count`)
     fraction: float = 1.0  # C: fraction of available clients selected per round
-    register_timeout_s: float = 300.0
+    register_timeout_s: float = 300.0  # the longest the server waits for its devices to register before round 1
     round_deadline_s: float = 120.0  # the longest a round waits for updates (the deadline while one is unmeasured)
     # > 0: the deadline is deadline_factor x the longest time a selected client is predicted to need (its own last
     # measured seconds per step x the steps it is told, plus its transfers: server/deadlines.py) plus
     # deadline_margin_s, never below deadline_floor_s nor above round_deadline_s; 0: always the fixed one
     deadline_factor: float = 0.0
-    deadline_margin_s: float = 5.0
-    deadline_floor_s: float = 10.0
+    deadline_margin_s: float = 5.0  # seconds added to a derived deadline
+    deadline_floor_s: float = 10.0  # a derived deadline never goes below this
     # a device registering with more training samples is refused: data-size weights come from the registration, so an
     # unbounded claim would let one device outweigh the fleet in FedUmf, FedVeca, FedNova, FedACG, "samples" weighting
     max_samples: int = 10_000_000
@@ -102,8 +107,12 @@ MOVED = {f"clients.{key}": f"simulation.{key}" for key in ("threads", "freeloade
 
 @dataclass
 class DataSection:
+    # mnist | mnist-parity | fmnist | adult | shakespeare | digits | NAME:DIR | a path (docs/datasets.md); "none": the
+    # server holds no data (the devices evaluate)
     dataset: str = "mnist"
+    # iid | dirichlet:PHI[:balanced] | taco-groups | fedveca-case:N | drag-q:Q | shards:K | unbalanced:SIGMA | natural
     partition: str = "iid"
+    label_column: str = ""  # a .csv data set: the column holding the target (edge-client run --label-column)
 
 
 @dataclass
@@ -112,19 +121,20 @@ class EvalSection:
     every: int = 1  # evaluate after every N-th round (and after the last)
     devices: str = "all"  # clients mode: all online devices with a held-out split, or only the round's selected
     deadline_s: float = 60.0  # the longest the server waits for the devices' evaluations
-    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout)
+    # simulate and bench: the share of its shard each simulated device holds out (edge-client run --holdout);
+    # 0: 0.1 when the devices evaluate (mode clients or both), else none
     holdout: float = 0.0
 
 
 @dataclass
 class TrainSection:
-    algorithm: str = "fedavg"
-    local_steps: int = 50
-    batch_size: int = 64
-    lr: float = 0.1
+    algorithm: str = "fedavg"  # a name of docs/algorithms.md; its settings go in [algorithm.NAME]
+    local_steps: int = 50  # tau: local SGD steps per client and round
+    batch_size: int = 64  # local mini-batch size
+    lr: float = 0.1  # local learning rate
     # the local optimiser of every algorithm: SGD, with momentum and weight decay when set (FedUmf's paper: 0.5, 5e-4)
     momentum: float = 0.0
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # of the local optimiser (see momentum)
     # L2 norm above which an update's delta is rejected as absurd (reason "norm"): orders of magnitude above any honest
     # delta (digits/MNIST deltas are < 10), low enough to stop a blown-up or malicious one; `inf` disables the check
     max_update_norm: float = field(default=1e4, metadata={INF_OFF: "disables the check"})
@@ -138,18 +148,31 @@ class TrainSection:
     # "deadline": each client gets the most local steps it can finish in round_budget_s from its measured speed, in
     # [tau_min, tau_max] (server/steps_policy.py); only for algorithms whose contract tolerates unequal steps
     steps_policy: str = "fixed"
-    round_budget_s: float = 0.0
-    tau_min: int = 1
+    round_budget_s: float = 0.0  # the round time the deadline policy fits (required with it)
+    tau_min: int = 1  # the deadline policy's least steps
     tau_max: int = 0  # 0: train.local_steps
     # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
     # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
     # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
-    codec: str = "fp32"
-    codec_policy: str = "fixed"
-    upload_budget_s: float = 0.0
+    codec: str = "fp32"  # fp32 | fp16 | int8[:B] | topk:F | topk:F+int8[:B] (docs/compression.md)
+    codec_policy: str = "fixed"  # fixed: every device uses codec | link: per device, from its measured upload rate
+    upload_budget_s: float = 0.0  # link: the longest an upload should take (seconds)
+    # link: the choices, least lossy first
     codec_ladder: list[str] = field(default_factory=lambda: ["fp32", "fp16", "int8", "topk:0.1+int8", "topk:0.01+int8"])
     # "int8" (or int8:B): a device holding the previous round's model is sent the int8-coded difference instead
     downlink_codec: str = "fp32"
+    # "buffered" (FedBuff, docs/buffered.md, server/buffered/): no rounds; every device trains all the time and the
+    # server aggregates each buffer_size updates, weighted by their staleness; run.rounds counts aggregation steps.
+    # Only for algorithms whose contract says they can (fedavg, fedprox, fednova)
+    mode: str = "synchronous"
+    concurrency: int = 0  # buffered: devices training at once (0: every online device)
+    buffer_size: int = 3  # buffered: K, the updates each aggregation step takes
+    server_lr: float = 1.0  # buffered: the step is server_lr x the staleness-weighted mean of the K updates
+    # buffered: the weight w(s) of an update trained s model versions ago: "sqrt" 1/sqrt(1+s), "polynomial"
+    # (1+s)^-staleness_exponent, "constant" 1
+    staleness_weight: str = "sqrt"
+    staleness_exponent: float = 0.5  # buffered, polynomial: the exponent a of (1+s)^-a
+    max_staleness: int = 20  # buffered: an update trained more versions ago than this is refused ("staleness")
 
 
 @dataclass
@@ -163,10 +186,10 @@ class FleetSection:
 @dataclass
 class BrokerSection:
     url: str = ""  # empty: edgefl starts a mosquitto of its own
-    username: str = "edgefl-server"
+    username: str = "edgefl-server"  # the server's broker login
     password: str = ""  # empty: the EDGEFL_PASSWORD environment variable
-    ca_file: str = ""
-    chunk_size: int = 1 << 20
+    ca_file: str = ""  # the CA certificate of an mqtts:// broker
+    chunk_size: int = 1 << 20  # bytes per MQTT message; larger payloads are chunked
     # Bytes: the broker's packet limit when it advertises none (ejabberd: its listener's max_payload_size; also
     # passed to simulated clients). 0: the limit the broker advertises (mosquitto does).
     max_packet_size: int = 0
@@ -184,8 +207,16 @@ class RunConfig:
     simulation: SimulationSection = field(default_factory=SimulationSection)
     eval: EvalSection = field(default_factory=EvalSection)
     privacy: PrivacySection = field(default_factory=PrivacySection)
+    # name = cnn (TACO's) | fedveca-cnn | svm | mlp (in_features, num_classes, hidden) | char-lstm, or factory =
+    # "package.module:callable" returning a torch.nn.Module; the other keys are its keyword arguments, input_shape
+    # (one sample) is for the ONNX export. Default: the data set's model (docs/own-model.md)
     model: dict[str, Any] = field(default_factory=dict)
+    # name = classification (cross-entropy; accuracy) | regression (MSE; MAE, RMSE) | binary (BCE; accuracy, AUC), or
+    # factory = "package.module:callable" returning an edge_client.tasks.Task (loss, metrics, main metric, directions,
+    # and ranges={"loss": (0, inf), ...}: device reports outside them are refused) plus its arguments. Default:
+    # classification
     task: dict[str, Any] = field(default_factory=dict)
+    # each algorithm's settings as its contract declares them (edge_client/algorithms/<name>.py; docs/algorithms.md)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -195,10 +226,11 @@ class RunConfig:
     def algorithm_params(self) -> dict[str, Any]:
         return dict(self.algorithm.get(self.train.algorithm, {}))
 
-    def validate(self) -> RunConfig:
-        self._validate_finite()
+    def bounds(self) -> list[tuple[str, bool, str]]:
+        """``(section.key, holds, what it must be)`` for every bounded key: validate() refuses the first that does not
+        hold, and docs/configuration.md's table shows what it must be (server/config_reference.py)."""
         c = self.clients
-        checks = [
+        return [
             ("run.rounds", self.run.rounds >= 1, "an integer >= 1"),
             ("run.target_accuracy", 0.0 < self.run.target_accuracy <= 1.0, "a fraction in (0, 1], e.g. 0.97"),
             ("clients.count", self.clients.count >= 1, "an integer >= 1"),
@@ -246,6 +278,17 @@ class RunConfig:
                 self.train.downlink_codec == "fp32" or self.train.downlink_codec.split(":")[0] == "int8",
                 "'fp32' (the full model) or 'int8' / 'int8:B' (the difference from the previous round's model)",
             ),
+            ("train.mode", self.train.mode in MODES, " or ".join(repr(m) for m in MODES)),
+            ("train.concurrency", self.train.concurrency >= 0, "an integer >= 0 (0: every online device)"),
+            ("train.buffer_size", self.train.buffer_size >= 1, "an integer >= 1 (updates per aggregation step)"),
+            ("train.server_lr", self.train.server_lr > 0, "a number > 0 (1: the plain weighted mean)"),
+            (
+                "train.staleness_weight",
+                self.train.staleness_weight in STALENESS_WEIGHTS,
+                " or ".join(repr(k) for k in STALENESS_WEIGHTS),
+            ),
+            ("train.staleness_exponent", self.train.staleness_exponent >= 0, "a number >= 0"),
+            ("train.max_staleness", self.train.max_staleness >= 0, "an integer >= 0 (model versions)"),
             ("eval.mode", self.eval.mode in ("", "server", "clients", "both"), '"server", "clients" or "both"'),
             ("eval.every", self.eval.every >= 1, "an integer >= 1"),
             ("eval.devices", self.eval.devices in ("all", "selected"), '"all" or "selected"'),
@@ -262,7 +305,10 @@ class RunConfig:
                 "bytes >= 4096, or 0 to use the limit the broker advertises",
             ),
         ]
-        for key, ok, expected in checks:
+
+    def validate(self) -> RunConfig:
+        self._validate_finite()
+        for key, ok, expected in self.bounds():
             if not ok:
                 section, name = key.split(".")
                 value = getattr(getattr(self, section), name)
@@ -284,6 +330,7 @@ class RunConfig:
                 )
                 raise ConfigError(f"{where}: {exc}") from None
         self._validate_steps_policy()
+        self._validate_mode()
         self._validate_fleet()
         refusal = privacy_refusal(
             self.privacy, self.clients.count, self.train.algorithm, self.algorithm_params(), self.train.steps_policy
@@ -323,6 +370,47 @@ class RunConfig:
             "that ran more steps (objective inconsistency, as the FedNova paper shows). Use it with an algorithm whose "
             f"aggregation normalises by each client's steps ({tolerant}), or keep train.steps_policy = 'fixed'"
         )
+
+    def _validate_mode(self) -> None:
+        why = self._mode_refusal()
+        if why:
+            raise ConfigError(why)
+
+    def _mode_refusal(self) -> str | None:
+        """Why ``train.mode = "buffered"`` cannot run with the rest of the config (naming the key and the fix)."""
+        t = self.train
+        if t.mode != "buffered":
+            return None
+        contract = CONTRACTS.get(t.algorithm)
+        if contract is None:
+            return None  # the unknown algorithm is reported on its own key
+        if not contract.buffered:
+            can = ", ".join(sorted(n for n, c in CONTRACTS.items() if c.buffered))
+            return (
+                f"train.mode = 'buffered' cannot run {t.algorithm}: {contract.buffered_why}. Use train.algorithm = one "
+                f"of {can}, or train.mode = 'synchronous'"
+            )
+        if self.clients.fraction != 1.0:
+            return (
+                f"clients.fraction = {self.clients.fraction:g} selects devices per round, which buffered mode has "
+                "not: set train.concurrency (devices training at once) and leave clients.fraction at 1"
+            )
+        if self.privacy.mode != "off":
+            return (
+                f"privacy.mode = {self.privacy.mode!r}: differential privacy accounts a round of sampled devices, "
+                "which buffered mode has not; use train.mode = 'synchronous' with privacy, or privacy.mode = 'off'"
+            )
+        if self.privacy.secure_aggregation:
+            return (
+                "privacy.secure_aggregation = true: its stages run over a round's devices together, which buffered "
+                "mode has not; use train.mode = 'synchronous' with it, or privacy.secure_aggregation = false"
+            )
+        if self.eval.mode in ("clients", "both"):
+            return (
+                f"eval.mode = {self.eval.mode!r}: the devices' evaluation is not available in buffered mode yet "
+                "(a device is always training); use eval.mode = 'server'"
+            )
+        return None
 
     def _validate_fleet(self) -> None:
         try:

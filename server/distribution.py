@@ -1,15 +1,16 @@
 """One model per round: the global model goes out once for every device, each assignment only names it.
 
 A round's assignments all start from the same model and share the arrays their contract declares ``scope="global"``
-(SCAFFOLD's c, STEM's v_bar, TACO's Delta_t, FedACG's look-ahead model, which strategies set as the assignment's
-weights). Those travel once, as one ``GlobalModel`` named by its sha256, published frame by frame on the job's
-round-model topics (``Topics.round_model_frame(i)``, retained, so a broker that keeps retained messages can hand a
-device that connects mid-round the whole model); a version is published once however many rounds start from it.
-Each assignment keeps its instructions, the model's version and digest, the shared arrays' names it uses and the
-arrays meant for that client alone. Nothing depends on the retained copy (an ejabberd cluster does not share it
-across nodes, docs/scaling.md): a device that did not get the model asks (``ModelRequest``) and is sent it on its
-own topic, once per round, and once more if it lost its assignment, never more than ``RESENDS_PER_ROUND`` times
-whatever it asks (``server.rate_limits``). The server's egress is counted here, per round.
+(SCAFFOLD's c, STEM's v_bar, TACO's Delta_t, FedACG's look-ahead model, which strategies set as the plan's weights).
+Those travel once, as one ``GlobalModel`` named by its sha256, published frame by frame on the job's round-model
+topics (``Topics.round_model_frame(i)``, retained, so a broker that keeps retained messages can hand a device that
+connects mid-round the whole model); a version is published once however many rounds start from it. Each assignment
+carries its plan as the strategy made it (``edge_client.plan.Plan``, never copied), the round's facts naming the model
+by version and digest, the shared arrays' names it uses and the arrays meant for that client alone. Nothing depends on
+the retained copy (an ejabberd cluster does not share it across nodes, docs/scaling.md): a device that did not get the
+model asks (``ModelRequest``) and is sent it on its own topic, once per round, and once more if it lost its
+assignment, never more than ``RESENDS_PER_ROUND`` times whatever it asks (``server.rate_limits``). The server's egress
+is counted here, per round.
 
 With ``train.downlink_codec = "int8"`` (``server.downlink``) the broadcast carries the int8-coded difference from the
 previous version instead, and the model it names is the one devices rebuild from it: a device that holds the previous
@@ -19,7 +20,6 @@ full model on its own topic. The broadcast is counted once in the round's egress
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Collection
@@ -28,7 +28,8 @@ import numpy as np
 
 from edge_client import chunking
 from edge_client.contract import Contract
-from edge_client.messages import Assignment, GlobalModel, ModelRequest, model_digest
+from edge_client.messages import Assignment, GlobalModel, ModelRequest, RoundFacts, model_digest
+from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound, encode
 from edge_client.topics import Topics
 from edge_client.transport import Link
@@ -42,31 +43,32 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.shape == b.shape and bool(np.array_equal(a, b)))
 
 
+#: Per client: the names of the round model's shared arrays its plan uses, and its plan's arrays for it alone.
+Shares = dict[str, tuple[list[str], dict[str, np.ndarray]]]
+
+
 def split_round(
-    contract: Contract, round_: int, version: int, assignments: dict[str, Assignment]
-) -> tuple[GlobalModel, dict[str, Assignment]]:
-    """The round's ``GlobalModel`` from complete assignments (weights set), and the assignments without it.
+    contract: Contract, round_: int, version: int, weights: np.ndarray, plans: dict[str, Plan], run_id: str = ""
+) -> tuple[GlobalModel, Shares]:
+    """The round's ``GlobalModel`` (the plans' start model: ``weights`` unless a plan names its own, and their arrays
+    of scope "global"), and per client what its assignment carries of its plan's arrays (``Shares``).
 
     Raises ValueError when the strategy gave clients of one round different start models or shared arrays.
     """
     shared_names = {a.name for a in contract.sends if a.scope == "global"}
-    first = next(iter(assignments.values()))
-    assert first.weights is not None  # the orchestrator fills in the global model
-    weights, shared, uses = first.weights, {}, {}
-    for cid, a in assignments.items():
-        if a.weights is None or not _same(a.weights, weights):
+    start = next(iter(plans.values())).weights
+    start = weights if start is None else start
+    shared: dict[str, np.ndarray] = {}
+    shares: Shares = {}
+    for cid, plan in plans.items():
+        if not _same(weights if plan.weights is None else plan.weights, start):
             raise ValueError(f"{contract.name}: clients of round {round_} start from different models")
-        uses[cid] = sorted(shared_names & a.arrays.keys())
-        for name in uses[cid]:
-            if not _same(shared.setdefault(name, a.arrays[name]), a.arrays[name]):
+        uses = sorted(shared_names & plan.arrays.keys())
+        for name in uses:
+            if not _same(shared.setdefault(name, plan.arrays[name]), plan.arrays[name]):
                 raise ValueError(f"{contract.name}: array {name!r} of scope 'global' differs between clients")
-    sha = model_digest(weights, shared)
-    own = {cid: {k: v for k, v in a.arrays.items() if k not in shared_names} for cid, a in assignments.items()}
-    slim = {
-        cid: dataclasses.replace(a, weights=None, model_sha256=sha, global_arrays=uses[cid], arrays=own[cid])
-        for cid, a in assignments.items()
-    }
-    return GlobalModel(round_, version, sha, weights, shared, run_id=first.run_id), slim
+        shares[cid] = uses, {k: v for k, v in plan.arrays.items() if k not in shared_names}
+    return GlobalModel(round_, version, model_digest(start, shared), start, shared, run_id=run_id), shares
 
 
 class Distribution:
@@ -88,30 +90,39 @@ class Distribution:
         self.requested_bytes: dict[str, int] = {}  # per client: bytes of models sent on request this round
         self.model_bytes = 0  # this round's broadcast (0: its version went out before) beside each assignment
         self.broadcast = ""  # what it carried: "model", "difference" (from the last version) or "" (nothing new)
+        self._shares: Shares = {}  # what each assignment of the round carries of its plan's arrays
 
-    def split(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, Assignment]:
-        """``split_round``, the model kept as ``current`` (what a device that missed it is sent) and its broadcast
-        as ``message``; the assignments name the model as devices hold it."""
-        start, slim = split_round(self.contract, round_, version, assignments)
+    def split(self, round_: int, version: int, weights: np.ndarray, plans: dict[str, Plan], run_id: str) -> str:
+        """``split_round``, the model kept as ``current`` (what a device that missed it is sent) and its broadcast as
+        ``message``; the sha256 of the model as devices hold it, what the round's facts name."""
+        start, self._shares = split_round(self.contract, round_, version, weights, plans, run_id)
         self.current, self.message = self.downlink.publish(start)
-        if self.current.sha256 != start.sha256:
-            slim = {cid: dataclasses.replace(a, model_sha256=self.current.sha256) for cid, a in slim.items()}
-        return slim
+        return self.current.sha256
 
-    def send(self, round_: int, version: int, assignments: dict[str, Assignment]) -> dict[str, tuple[Assignment, int]]:
-        """Publish the round's model (unless this version went out already) and every assignment; per client the
-        assignment as sent (naming the model) and its bytes."""
+    def publish(self, round_: int, version: int, weights: np.ndarray, plans: dict[str, Plan], run_id: str) -> str:
+        """Publish the round's model (``split``; unless this version went out already); its sha256 as devices hold
+        it ("" without plans)."""
         self._answered.clear()
         self._sends.clear()
         self.requested_bytes.clear()
-        if not assignments:
-            return {}
-        slim = self.split(round_, version, assignments)
-        assert self.current is not None and self.message is not None
-        new = self.current.sha256 != self._published
+        if not plans:
+            return ""
+        sha256 = self.split(round_, version, weights, plans, run_id)
+        assert self.message is not None
+        new = sha256 != self._published
         self.model_bytes = self._broadcast(self.message) if new else 0
         self.broadcast = ("difference" if self.message.diff_base else "model") if new else ""
-        return {cid: (a, self._publish(self.topics.down(cid), encode(a))) for cid, a in slim.items()}
+        return sha256
+
+    def send(self, plans: dict[str, Plan], facts: dict[str, RoundFacts]) -> dict[str, tuple[Assignment, int]]:
+        """Every client's assignment, after ``publish``: its plan as the strategy made it and its round's facts, with
+        its own arrays and the names of the shared ones; per client the assignment as sent and its bytes."""
+        sent = {}
+        for cid, plan in plans.items():
+            uses, own = self._shares[cid]
+            a = Assignment(plan, facts[cid], arrays=own, global_arrays=uses)
+            sent[cid] = a, self._publish(self.topics.down(cid), encode(a))
+        return sent
 
     def _broadcast(self, model: GlobalModel) -> int:
         """Frame ``i`` retained on its own topic: one topic would keep only the last chunk of a chunked model."""

@@ -23,13 +23,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from server.config import RunConfig
 from server.strict_json import json_safe, strict_json
 
 log = logging.getLogger("edgefl.server")
 
 LIVE_FILE = "live.json"
 #: The instruction fields the dashboard shows (what a client was last told); the rest stays in metrics.jsonl.
-TOLD_KEYS = ("local_steps", "alpha", "lr", "batch_size")
+TOLD_KEYS = ("local_steps", "lr", "batch_size")
+#: The per-round values of a plan's settings it shows, by the name the page shows them under (TACO's alpha_i).
+TOLD_VALUES = {"alpha_i": "alpha"}
+
+
+def run_facts(config: RunConfig, dataset: str, target: float | None) -> dict[str, Any]:
+    """The run facts the dashboard heads its page with: known from the configuration before the run starts, so the
+    page shows them at once (``RunView``) and ``live.json`` repeats them."""
+    return {"algorithm": config.train.algorithm, "dataset": dataset, "partition": config.data.partition,
+            "job": config.run.job, "rounds": config.run.rounds, "target": target}  # fmt: skip
 
 
 class LiveState:
@@ -91,7 +101,10 @@ class LiveState:
             run = self._state["run"]
             run.update(round=round_, round_started_at=now, elapsed_origin_at=now - elapsed_s)
             for cid, instr in told.items():
-                self._client(cid)["told"] = {"round": round_, **{k: instr[k] for k in TOLD_KEYS if k in instr}}
+                values = instr.get("settings", {})
+                shown = {k: instr[k] for k in TOLD_KEYS if k in instr}
+                shown |= {as_shown: values[name] for name, as_shown in TOLD_VALUES.items() if name in values}
+                self._client(cid)["told"] = {"round": round_, **shown}
             self._changed()
 
     # -- lifetime ----------------------------------------------------------------------------------------------------

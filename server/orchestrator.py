@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from edge_client.data import ArrayDataset
-from edge_client.messages import Evaluate, Stop
+from edge_client.messages import Evaluate, RoundFacts, Stop
 from edge_client.models import build_model, get_flat
 from edge_client.protocol import encode
 from edge_client.tasks import build_task
@@ -51,7 +51,7 @@ from server.downlink import Downlink
 from server.dp.mechanism import Privacy
 from server.evaluation import EvaluationWorker, Evaluator
 from server.federated_eval import EvalRound, FederatedEvaluation
-from server.live_state import LiveState
+from server.live_state import LiveState, run_facts
 from server.recorder import Produced, Recorder, RoundObserver
 from server.roster import Roster, server_offline
 from server.steps_policy import StepsPolicy
@@ -60,11 +60,16 @@ from server.strategies.base import Round, assignment_summary
 from server.target import eval_mode, run_target
 from server.weight_share import capped_counts
 
+if TYPE_CHECKING:  # imported when a run turns secure aggregation on: it needs the cryptography package
+    from server.secagg.stages import SecureRounds
+
 log = logging.getLogger("edgefl.server")
 
 
 class Orchestrator:
     """The synchronous round loop; the roster, dispatch and recorder it wires here are what any loop is built from."""
+
+    dispatch_class: type[Dispatch] = Dispatch  # another loop handles some messages its own way (server.buffered)
 
     def __init__(
         self,
@@ -126,8 +131,18 @@ class Orchestrator:
         self.distribution = Distribution(
             self.link, self.topics, self.strategy.contract, Downlink(t.downlink_codec, config.run.seed)
         )
-        self.dispatch = Dispatch(self, self.link, self.topics, self.roster, self.live, distribution=self.distribution,
-                                 times=self.times, federated=self.federated, codecs=self.codecs)  # fmt: skip
+        self.secure: SecureRounds | None = None  # [privacy] secure_aggregation: the stages in place of updates
+        if config.privacy.secure_aggregation:
+            from server.secagg.stages import SecureRounds  # needs the cryptography package
+
+            per_step = self.strategy.contract.needs == "mean_per_step"
+            self.secure = SecureRounds(
+                config.privacy, self.link, self.topics, self.num_params, self.times.arrived, per_step
+            )
+        self.dispatch = self.dispatch_class(
+            self, self.link, self.topics, self.roster, self.live, distribution=self.distribution, times=self.times,
+            federated=self.federated, codecs=self.codecs,
+        )  # fmt: skip
         self.recorder = Recorder(
             out_dir, self.target, stop_at_target=config.run.stop_at_target, roster=self.roster, link=self.link,
             topics=self.topics, checkpoint=self.checkpoint, distribution=self.distribution, times=self.times,
@@ -149,10 +164,8 @@ class Orchestrator:
 
     def _live_facts(self) -> dict[str, Any]:
         """The run facts the dashboard heads its page with."""
-        run = self.config.run
         dataset = self.summary_extra.get("dataset", self.config.data.dataset)
-        return {"algorithm": self.strategy.name, "dataset": dataset, "partition": self.config.data.partition,
-                "job": run.job, "rounds": run.rounds, "target": self.target.value}  # fmt: skip
+        return {**run_facts(self.config, dataset, self.target.value), "algorithm": self.strategy.name}
 
     def _announce(self) -> None:
         """The link's connect hook: the server's presence, retained (``Roster.announce``)."""
@@ -193,7 +206,11 @@ class Orchestrator:
             self.recorder.close()  # its last export is published before the link goes down
             self._shutdown()
             self.live.close()
-        return self.recorder.summarize(weights, self.strategy, self.num_params, self.summary_extra)
+        extra = dict(self.summary_extra)
+        if self.secure is not None:  # the rounds aggregated securely
+            rows = self.recorder.metrics.rows
+            extra["secure_rounds"] = sum(1 for r in rows if "secure" in r and not r.get("dropped"))
+        return self.recorder.summarize(weights, self.strategy, self.num_params, extra)
 
     def _resume(self, weights: np.ndarray) -> tuple[np.ndarray, float]:
         """The starting model and the run's elapsed seconds: fresh, or restored from an unfinished run's checkpoint in
@@ -236,7 +253,7 @@ class Orchestrator:
             self.folding = self.strategy.begin(round_, weights)  # updates are folded as they are admitted
             registered = {c: self.clients[c].num_samples for c in state.selected}
             self.folding.sample_weights = capped_counts(registered, self.config.clients.max_weight_share)
-            self._collect(state)
+            secure = self._collect(state)
             self.admission.close(state)
             self.current, folding, self.folding = None, self.folding, None
             t_agg, c_agg = time.monotonic(), time.thread_time()
@@ -254,6 +271,7 @@ class Orchestrator:
                 "aggregate_cpu_s": time.thread_time() - c_agg,
             }
             row = self.recorder.row(round_, timing, state, predictions, told, self.strategy, dropped)
+            row.update(secure)
             due = self.federated.due(round_)
             # The server's test set on the evaluation thread, while the devices evaluate and then train round t+1.
             evaluation = (
@@ -301,45 +319,49 @@ class Orchestrator:
         available = self.available()
         selected = self.strategy.select(round_, available)
         train_only = self.strategy.train_only(round_, available, selected)
-        planned = {}
-        for cid in [*selected, *train_only]:
-            a = self.strategy.assign(round_, cid)
-            planned[cid] = replace(a, local_steps=self.steps_policy.steps(cid, a.local_steps))
-        predictions = {cid: self.times.predict(cid, planned[cid].local_steps) for cid in selected}
+        plans = {cid: self.strategy.assign(round_, cid) for cid in [*selected, *train_only]}
+        for cid, plan in plans.items():
+            plan.steps = self.steps_policy.steps(cid, plan.steps)
+        predictions = {cid: self.times.predict(cid, plans[cid].steps) for cid in selected}
         deadline_s = round_deadline(self.config.clients, predictions)
         state = self.current = RoundState(round_, version, set(selected), deadline_s=deadline_s)
         self.dispatch.limits.new_round()
-        self.dispatch.reports.told(round_, {cid: planned[cid].local_steps for cid in train_only})
+        self.dispatch.reports.told(round_, {cid: plans[cid].steps for cid in train_only})
         self.times.round_started()
-        assignments = {}
-        for cid, a in planned.items():
+        secure = {}
+        if self.secure is not None:  # each selected device's secure terms (its weight, the clip norm, the ring)
+            registered = {c: self.clients[c].num_samples for c in selected}
+            weighting = self.strategy.params.get("weighting", "samples")
+            secure = self.secure.begin(round_, self.run_id, version, registered, weighting,
+                                       self.config.clients.max_weight_share)  # fmt: skip
+        sha256 = self.distribution.publish(round_, version, weights, plans, self.run_id)  # the model, once
+        facts = {}
+        for cid, plan in plans.items():
             state.codecs[cid] = self.codecs.codec_for(cid)
-            assignments[cid] = replace(
-                a,
-                round=round_,
-                model_version=version,
-                deadline_s=deadline_s,
-                algorithm=self.strategy.name,
-                model=self.model_spec,
-                weights=weights if a.weights is None else a.weights,
-                upload=cid in state.selected,
-                seed=self.config.run.seed,
-                run_id=self.run_id,
-                codec=str(state.codecs[cid]),
-                task=self.config.task,
-            )
-            state.assigned_steps[cid] = a.local_steps
+            facts[cid] = RoundFacts(
+                round=round_, model_version=version, sha256=sha256, deadline_s=deadline_s, codec=str(state.codecs[cid]),
+                upload=cid in state.selected, run_id=self.run_id, algorithm=self.strategy.name, model=self.model_spec,
+                task=self.config.task, seed=self.config.run.seed, secure=secure.get(cid, {}),
+            )  # fmt: skip
+            state.assigned_steps[cid] = plan.steps
             self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
-        sent = self.distribution.send(round_, version, assignments)  # the model once, then each assignment
         told: dict[str, Any] = {}
-        for cid, (slim, size) in sent.items():
+        for cid, (assignment, size) in self.distribution.send(plans, facts).items():
             self.times.sent(cid)
-            self.dispatch.delivery.assigned(round_, cid, slim)  # as sent: naming the model, which a device may ask for
-            told[cid] = {**assignment_summary(assignments[cid]), **self.codecs.describe(cid), "bytes_down": size}
+            self.dispatch.delivery.assigned(round_, cid, assignment)  # naming the model, which a device may ask for
+            told[cid] = {**assignment_summary(plans[cid], facts[cid]), **self.codecs.describe(cid), "bytes_down": size}
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
     # -- collect -----------------------------------------------------------------------------------------------------
-    def _collect(self, state: RoundState) -> None:
+    def _collect(self, state: RoundState) -> dict[str, Any]:
+        """Wait for the round's updates; a secure round's stages instead (its ``secure`` row, and ``dropped``)."""
+        if self.secure is not None:
+            outcome = self.secure.collect(state, self.dispatch.pump, self.roster.is_online)
+            assert self.folding is not None
+            for cid, update in outcome.updates.items():  # the unmasked mean, with each survivor's own scalars
+                state.received[cid] = self.strategy.fold(self.folding, update)
+                state.bytes_up[cid] = outcome.bytes_up.get(cid, 0)
+            return {"secure": outcome.row, **({"dropped": outcome.dropped} if outcome.dropped else {})}
         deadline = time.monotonic() + state.deadline_s
         while True:
             owed = state.selected - set(state.received) - set(state.failed)
@@ -351,6 +373,7 @@ class Orchestrator:
         for cid in sorted(state.selected - set(state.received) - set(state.failed)):
             why = "went offline" if not self.roster.is_online(cid) else f"missed the {state.deadline_s:.1f} s deadline"
             log.warning("round %d: %s %s; aggregating without it", state.round, cid, why)
+        return {}
 
     def _evaluate_on_devices(
         self, round_: int, version: int, weights: np.ndarray, selected: set[str]
@@ -386,9 +409,11 @@ class Orchestrator:
         return weights, reason
 
     def _shutdown(self) -> None:
+        stopped = sys.exc_info()[1]  # called from a finally: Ctrl-C, kill or an error on its way out
+        reason = "training finished" if stopped is None else f"interrupted ({stopped or type(stopped).__name__})"
         try:
             self.distribution.clear()
-            self.link.publish(self.topics.broadcast, encode(Stop(reason="training finished", run_id=self.run_id)))
+            self.link.publish(self.topics.broadcast, encode(Stop(reason=reason[:200], run_id=self.run_id)))
             self.link.publish(self.topics.server, encode(server_offline("stopped", self.run_id)), retain=True)
             self.link.wait_published(timeout=5.0)
         finally:

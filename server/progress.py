@@ -29,6 +29,7 @@ class RoundProgress:
             transient=True,
         )
         self.task = self.progress.add_task("starting", total=rounds)
+        self._waiting = ""  # the last wait shown: without a terminal each change is a line of its own
 
     def __enter__(self) -> RoundProgress:
         self.progress.start()
@@ -38,7 +39,12 @@ class RoundProgress:
         self.progress.stop()
 
     def waiting(self, text: str) -> None:
+        """The bar's text on a terminal; elsewhere (a log file, systemd's journal) no bar is drawn, so each change of
+        what the server waits for is printed as a line: a server waiting for devices never looks hung."""
         self.progress.update(self.task, description=text)
+        if text != self._waiting and not self.console.is_terminal:
+            self.console.print(text, highlight=False, soft_wrap=True)
+        self._waiting = text
 
     def round_done(self, row: dict[str, Any]) -> None:
         missing = f"  missing {','.join(row['missing'])}" if row["missing"] else ""
@@ -98,10 +104,16 @@ def summary_table(summary: dict[str, Any]) -> Table:
         (f"target {metric}", "none set" if summary.get("target") is None else fmt(summary["target"])),
         ("rounds to target", fmt(summary.get("rounds_to_target"))),
         ("wall clock to target", fmt(summary.get("time_to_target_s"), " s")),
-        ("client compute to target", fmt(summary.get("client_compute_to_target_s"), " s")),
-        ("fleet compute (all clients)", fmt(summary.get("fleet_compute_s"), " s")),
-        ("MB moved (up / down)", f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}"),
-        ("MB moved to target", "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}"),
+        ("client compute to target (device clock)", fmt(summary.get("client_compute_to_target_s"), " s")),
+        ("fleet compute (all clients, device clocks)", fmt(summary.get("fleet_compute_s"), " s")),
+        (
+            "MB through the server's link (up / down)",
+            f"{summary.get('bytes_up', 0) / 1e6:.2f} / {summary.get('bytes_down', 0) / 1e6:.2f}",
+        ),
+        (
+            "MB through the server's link to target",
+            "not reached" if (b := summary.get("bytes_to_target")) is None else f"{b / 1e6:.2f}",
+        ),
         ("upload codecs", ", ".join(f"{c} x{n}" for c, n in (summary.get("codec_mix") or {}).items()) or "-"),
     ]
     if "privacy" in summary:  # differential privacy: the budget spent, and why the run stopped early
@@ -117,14 +129,21 @@ def summary_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def megabytes(n: int) -> str:
+    """Three significant digits: a small model's traffic (kilobytes a round) must not read 0.0."""
+    return f"{n / 1e6:.3g}"
+
+
 def clients_table(per_client: dict[str, dict[str, Any]], missed: dict[str, int] | None = None) -> Table:
     """What each device spent: the per_client part of summary.json (its evaluations when any device evaluated), and
-    the rounds each missed (summary.json's rounds_missed)."""
+    the rounds each missed (summary.json's rounds_missed). Seconds are per round on the device's clock; bytes are
+    the run's total through the device's own link, its share of every model broadcast included."""
     missed = missed or {}
     table = Table(title="per client")
     evaluated = any(s.get("evaluations") for s in per_client.values())
-    columns = ("client", "rounds", "missed", "compute s", "cpu s", "MB up", "MB down", "peak RSS MB", "max °C",
-               "throttled", *(("evals", "eval s") if evaluated else ()))  # fmt: skip
+    columns = ("client", "rounds", "missed", "compute s / round", "cpu s / round", "MB up (its link)",
+               "MB down (its link)", "peak RSS MB", "max °C", "throttled",
+               *(("evals", "eval s / eval") if evaluated else ()))  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col in ("client", "throttled") else "right")
     for cid in sorted({*per_client, *missed}):
@@ -135,7 +154,7 @@ def clients_table(per_client: dict[str, dict[str, Any]], missed: dict[str, int] 
         temp, eval_s = s["max_temperature_c"], s.get("mean_eval_s")
         table.add_row(
             cid, str(s["rounds"]), str(missed.get(cid, 0)), f"{s['mean_compute_s']:.3f}", f"{s['mean_cpu_s']:.3f}",
-            f"{s['bytes_up'] / 1e6:.1f}", f"{s['bytes_down'] / 1e6:.1f}", f"{s['peak_rss_mb'] or 0:.0f}",
+            megabytes(s["bytes_up"]), megabytes(s["bytes_down"]), f"{s['peak_rss_mb'] or 0:.0f}",
             "-" if temp is None else f"{temp:.1f}", ",".join(s["throttled_flags"]) or "-",
             *((str(s["evaluations"]), "-" if eval_s is None else f"{eval_s:.3f}") if evaluated else ()),
         )  # fmt: skip
@@ -143,10 +162,11 @@ def clients_table(per_client: dict[str, dict[str, Any]], missed: dict[str, int] 
 
 
 def classes_table(per_class: dict[str, dict[str, Any]]) -> Table:
-    """Compute and missed rounds per device class (summary.json's per_class); train-only: FedUmf's unselected."""
+    """Compute and missed rounds per device class (summary.json's per_class): compute seconds are the class's total
+    over the run (device clocks); train-only: FedUmf's unselected."""
     table = Table(title="per device class")
-    columns = ("class", "clients", "rounds reported", "rounds missed", "compute s", "train-only compute s",
-               "local steps", "s / 100 steps")  # fmt: skip
+    columns = ("class", "clients", "rounds reported", "rounds missed", "compute s (total)",
+               "train-only compute s (total)", "local steps", "s / 100 steps")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col == "class" else "right")
     for name, c in per_class.items():

@@ -28,6 +28,7 @@ from edge_client.transport import Link
 from server.admission import RoundState
 from server.checkpoint import Checkpoint
 from server.compute_reports import ComputeReports
+from server.datasets import NO_DATA
 from server.deadlines import DeviceTimes
 from server.distribution import Distribution
 from server.dp.mechanism import Privacy
@@ -152,15 +153,21 @@ class Recorder:
             "clients": {u.client_id: self._client_row(u, state, told) for u in updates},
             "train_only": self.reports.drain(),
             "instructions": told,
-            "rejected": dict(self.link.rejections - self._rejected_before),  # by reason
+            "rejected": self.rejected_since(),  # by reason
             "excluded": sorted(strategy.excluded()),
             "algorithm": strategy.round_metrics(),
             **self.privacy.row(round_, strategy),
         }
         if dropped:
             row["dropped"] = dropped
-        self._rejected_before = Counter(self.link.rejections)  # the devices' evaluation counts in the next row
         return row
+
+    def rejected_since(self) -> dict[str, int]:
+        """What the link refused since the last row, by reason; from here on it counts in the next row (the devices'
+        evaluation after a round's row, too)."""
+        rejected = dict(self.link.rejections - self._rejected_before)
+        self._rejected_before = Counter(self.link.rejections)
+        return rejected
 
     def _client_row(self, u: Update, state: RoundState, told: dict[str, Any]) -> dict[str, Any]:
         """One admitted update's line in the round's row (``u`` as folded: its sample count is the weight it had)."""
@@ -214,7 +221,8 @@ class Recorder:
         for name, result in (e.outputs if e else {}).items():
             row.update({f"{metric}_{name}": value for metric, value in result.items()})
         metrics = self.metrics
-        if self.times.modelled:  # in-process: the round as long as its slowest device (server.fleet_summary)
+        if self.times.modelled and "parallel_elapsed_s" not in row:  # in-process: the round as long as its slowest
+            # device (server.fleet_summary); a buffered step's comes from its event clock (server.buffered.clock)
             row["parallel_round_s"] = parallel_round_s(row)
             row["parallel_elapsed_s"] = row["parallel_round_s"] + (
                 metrics.rows[-1]["parallel_elapsed_s"] if metrics.rows else 0.0
@@ -278,7 +286,14 @@ class Recorder:
         summary.update({f"final_{k}": v for k, v in last.items() if k.startswith(f"{self.target.metric}_")})
         write_summary(self.out_dir / "summary.json", summary)
         if rows:
-            title = f"{strategy.name} · {extra.get('dataset', '')} · {len(clients)} clients"
+            title = run_title(strategy.name, extra.get("dataset", ""), len(clients))
             plot_report(rows, self.target, self.out_dir / "report.png", title)
             plot_timeline(rows, self.out_dir / "timeline.png", title, classes)
         return summary
+
+
+def run_title(algorithm: str, dataset: str, clients: int) -> str:
+    """The plots' title: the algorithm, whose data, how many devices; a server without data set trained on the
+    devices' own data, which "none" would not say."""
+    data = "devices' own data, no server data set" if dataset == NO_DATA else dataset
+    return f"{algorithm} · {data} · {clients} clients"

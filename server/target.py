@@ -8,11 +8,14 @@ sample-weighted reports (``row["client_eval"]``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from edge_client.tasks import Task
 from server.config import ConfigError, RunConfig
+
+log = logging.getLogger("edgefl.target")
 
 #: [eval] mode values; "" means: server when the server holds a test set, else clients
 EVAL_MODES = ("server", "clients", "both")
@@ -65,6 +68,23 @@ def eval_mode(config: RunConfig, server_has_test_set: bool) -> str:
             "(the devices evaluate on their --holdout split) or name a data set"
         )
     return mode
+
+
+#: The share of its shard a simulated device holds out when the devices evaluate and ``[eval] holdout`` is 0: a run
+#: told to evaluate on the devices must not go through every round with nothing to evaluate on.
+DEFAULT_DEVICE_HOLDOUT = 0.1
+
+
+def simulated_holdout(config: RunConfig) -> float:
+    """The share of its shard each simulated device (simulate, bench) holds out: ``[eval] holdout``, else
+    DEFAULT_DEVICE_HOLDOUT when the devices evaluate (mode clients or both), else none. A simulation's server always
+    holds the data set's test split."""
+    mode = eval_mode(config, server_has_test_set=True)
+    if config.eval.holdout or mode == "server":
+        return config.eval.holdout
+    log.info("[eval] mode = %r and holdout = 0: each simulated device holds out %.0f%% of its shard to evaluate on "
+             "(set [eval] holdout to choose the share)", mode, 100 * DEFAULT_DEVICE_HOLDOUT)  # fmt: skip
+    return DEFAULT_DEVICE_HOLDOUT
 
 
 def run_target(config: RunConfig, task: Task, mode: str) -> Target:

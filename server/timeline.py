@@ -7,7 +7,8 @@ ends when its update arrived (download and upload split at the client's own time
 ``server.deadlines``). In-process they are on the parallel clock (``server.fleet_summary``): each reporting client
 starts once the server has assigned, and its phases are its device's times. A selected client that did not report is
 drawn as missed up to the end of the round; a client that trained without uploading (FedUmf) has a hatched compute bar
-from the round's start (it never says when it started).
+from the round's start (it never says when it started). A buffered run (``server.buffered``) has no rounds: each
+device's bars are its own sequence of download, compute and upload, from when each assignment went out.
 """
 
 from __future__ import annotations
@@ -36,8 +37,25 @@ def _round_start(row: dict[str, Any], parallel: bool) -> tuple[float, float]:
     return row["elapsed_s"] - row["round_s"], row["round_s"]
 
 
+def _device_sequence(row: dict[str, Any]) -> dict[str, list[tuple[str, float, float]]]:
+    """A buffered aggregation step (``server.buffered``): each update's own download, compute and upload from when its
+    assignment went out (``started_s``, on the run's clock), with no round boundary to fill up to."""
+    out: dict[str, list[tuple[str, float, float]]] = {}
+    for u in row["updates"]:
+        t, overhead = u["started_s"], u.get("overhead_s", 0.0)
+        phases = (("download", u["download_s"]), ("overhead", overhead), ("compute", u["compute_s"] - overhead),
+                  ("upload", u["upload_s"]))  # fmt: skip
+        for phase, seconds in phases:
+            if phase != "overhead" or seconds > 0:
+                out.setdefault(u["client"], []).append((phase, t, seconds))
+            t += seconds
+    return out
+
+
 def _segments(row: dict[str, Any], parallel: bool) -> dict[str, list[tuple[str, float, float]]]:
     """Per client: (phase, start, length) on the timeline's clock for one round."""
+    if "updates" in row:
+        return _device_sequence(row)
     start, length = _round_start(row, parallel)
     out: dict[str, list[tuple[str, float, float]]] = {}
     for cid, c in row["clients"].items():
@@ -76,7 +94,9 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
     height = 1.9 + 0.3 * len(order)
     fig, ax = plt.subplots(figsize=(12, height))
     used: set[str] = set()
-    deadlines = [starts[r["round"]][0] + r["deadline_s"] for r in rows if r["deadline_s"] < NO_DEADLINE_S]
+    deadlines = [starts[r["round"]][0] + r["deadline_s"] for r in rows
+                 if r["deadline_s"] < NO_DEADLINE_S and "updates" not in r]  # fmt: skip
+    begin = min([begin, *(u["started_s"] for r in rows for u in r.get("updates", ()))])
     for row in rows:
         for cid, segs in _segments(row, parallel).items():
             for phase, t, seconds in segs:
@@ -93,6 +113,8 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
     ax.set_yticks(range(len(order)), [f"{c} ({classes[c]})" if classes[c] else c for c in order], fontsize=8)
     ax.set_ylim(len(order) - 0.5, -0.5)
     clock = "parallel clock (s): each round as long as its slowest device" if parallel else "wall clock (s)"
+    if "updates" in rows[0]:  # buffered: no rounds, each device's own sequence
+        clock = f"{'event' if parallel else 'wall'} clock (s): each device's own sequence"
     ax.set_xlabel(clock)
     handles: list[Any] = [Patch(color=COLOURS[k], label=k) for k in COLOURS if k in used]
     if "train_only" in used:
@@ -100,10 +122,9 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
             Patch(facecolor="none", edgecolor=COLOURS["compute"], hatch="///", label="trained, not uploaded")
         )
     if deadlines:
-        later = len(deadlines) - len(shown)
-        label = "round deadline" + (f" ({later} after the last round's end, not shown)" if later else "")
+        label = deadline_label(len(deadlines), len(shown))
         handles.append(Line2D([], [], color="darkred", linestyle="dashed", label=label))
-    else:
+    elif "updates" not in rows[0]:
         handles.append(Line2D([], [], color="none", label="no deadline (in-process: every client is waited for)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     ax.set_title(title)
@@ -111,3 +132,13 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
     fig.tight_layout(rect=(0, 0.35 / height, 1, 1))  # room for the legend below the axis label
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def deadline_label(total: int, drawn: int) -> str:
+    """The legend of the dashed deadline lines, saying plainly why some are missing: a round that ended early has its
+    deadline after the run's end, outside the plot."""
+    if drawn == total:
+        return "round deadline"
+    return (
+        f"round deadline ({drawn} of {total} drawn; the other rounds ended early, their deadlines fall after the run)"
+    )

@@ -9,7 +9,7 @@ What the server sends and what comes back is declared once in the algorithm's :c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -17,9 +17,8 @@ import torch
 from edge_client.contract import Contract, ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-
-if TYPE_CHECKING:
-    from edge_client.trainer import Plan
+from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 
 
 @dataclass
@@ -27,12 +26,15 @@ class LocalContext:
     """Everything a client half may read or adjust during one round.
 
     ``flat.params`` is the current iterate ``w_{i,k}`` and ``flat.grad`` the mini-batch gradient ``g_{i,k}`` (a
-    correction adds into it); ``start`` is the global model ``w_t`` as received (a copy, never modified).
+    correction adds into it); ``start`` is the global model ``w_t`` as received (a copy, never modified); ``plan``
+    what the server's half wants of this round, ``facts`` the round's (its number, model version, whether this device
+    uploads).
     """
 
     flat: FlatModel
     start: torch.Tensor
     plan: Plan
+    facts: RoundFacts
     dataset: ArrayDataset
     sampler: BatchSampler
 

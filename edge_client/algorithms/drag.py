@@ -27,9 +27,16 @@ CONTRACT = Contract(
                 low=0.0, high=1.0),
         ANGLE_APPROX,
     ),
+    needs="per_device",
+    needs_why="each update's divergence from the reference direction",
     dp_refusal=(
         "it scales each device's update by its own divergence from the reference "
         "direction, a per-device statistic the noise does not cover"
+    ),
+    buffered=False,
+    buffered_why=(
+        "each update is dragged toward a reference direction built from the round's updates of one model version; a "
+        "stale update's direction is relative to another model"
     ),
 )  # fmt: skip
 

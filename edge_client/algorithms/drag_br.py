@@ -24,9 +24,16 @@ CONTRACT = Contract(
         Setting("root_size", int, 0, f"training samples the server keeps as root data (0: the paper's "
                 f"{PAPER_ROOT_SIZE} where the data allows, else a tenth of the training set)", low=0),
     ),
+    needs="per_device",
+    needs_why="each update's divergence from the root data set's direction",
     dp_refusal=(
         "it scales each device's update by its own divergence from the "
         "root reference, a per-device statistic the noise does not cover"
+    ),
+    buffered=False,
+    buffered_why=(
+        "the server trains its root-data reference from the round's model and rescales every update to it; a stale "
+        "update started from another model than that reference"
     ),
 )  # fmt: skip
 

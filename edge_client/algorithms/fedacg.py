@@ -32,6 +32,11 @@ CONTRACT = Contract(
     sends=(Array("centre", "the look-ahead model as prox centre (taco_literal mode)", required=False,
                  scope="global"),),
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
+    buffered=False,
+    buffered_why=(
+        "every device of a round starts from one look-ahead model w - lambda m; the server momentum m assumes all "
+        "deltas are from that look-ahead, which a stale update is not"
+    ),
 )  # fmt: skip
 
 

@@ -11,6 +11,11 @@ CONTRACT = Contract(
     settings=(weighting("uniform"),),
     dp_refusal="",
     dp_requires=(("weighting", "uniform"),),
+    buffered=True,
+    buffered_why=(
+        "its server keeps no state between aggregations and averages deltas, each a step from the model its device "
+        "was sent: a staleness-weighted average of such steps is FedBuff itself"
+    ),
 )
 
 

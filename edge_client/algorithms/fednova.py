@@ -19,7 +19,13 @@ CONTRACT = Contract(
                 choices=("epochs", "fixed")),
     ),
     unequal_steps=True,
+    needs="mean_per_step",
     dp_refusal="", dp_requires=(("local_steps_mode", "fixed"),),  # tau_i from D_i: a per-device release
+    buffered=True,
+    buffered_why=(
+        "each update is normalised by the steps its device ran before it is averaged, so devices of any speed and any "
+        "steps policy mix, and the server keeps no state between aggregations"
+    ),
 )  # fmt: skip
 
 

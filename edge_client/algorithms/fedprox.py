@@ -25,6 +25,11 @@ CONTRACT = Contract(
     settings=(ZETA, weighting("uniform")),
     dp_refusal="",
     dp_requires=(("weighting", "uniform"),),
+    buffered=True,
+    buffered_why=(
+        "FedAvg's aggregation; the proximal term pulls each device towards the model it was sent, which the device "
+        "holds whatever its version"
+    ),
 )
 
 

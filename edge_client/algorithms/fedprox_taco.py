@@ -1,6 +1,6 @@
 """TACO-tailored FedProx client half (ALGORITHMS.md 2.7 (f)13, TACO Fig. 6): FedProx with ``zeta_i = zeta (1 -
 alpha_i)``, where ``alpha_i`` is the client's TACO coefficient (eq. 7) that the server computes from each round's
-uploads and sends as the assignment's ``alpha`` (``alpha_init`` until the client's first upload)."""
+uploads and sends as the plan's value ``alpha_i`` (``alpha_init`` until the client's first upload)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Every client trains from the global model each round (selected or not) and stores its *increment*
 ``g = w_end - w_start`` (the paper's ``g_t^i = theta_{t+1}^i - theta_{t,0}^i``, the negative of edgefl's
 descent-positive delta, C1), tagged with the round it was computed in and whether the client uploaded in that round.
-A client selected now (``assignment.upload``) that was NOT selected in round ``t-1`` and holds the increment of round
+A client selected now (``facts.upload``) that was NOT selected in round ``t-1`` and holds the increment of round
 ``t-1`` (staleness guard, (f)3) first moves its start point to ``w_t + alpha * (eta_t / eta_{t-1}) * g`` (step 3 of
 the paper). The trainer measures ``delta = w_t - w_end`` against the received ``w_t`` (``ctx.start``), so a fused
 client's delta contains the fused increment, exactly as the paper's uploaded ``theta_{t+1}^i`` does (2.9 (e)).
@@ -43,6 +43,11 @@ CONTRACT = Contract(
         "it picks a fixed-size sample itself (the rest train without "
         "uploading), not the Poisson sample the accountant counts"
     ),
+    buffered=False,
+    buffered_why=(
+        "its unselected devices train without uploading and fuse that increment when selected in a later round: the "
+        "round's split into selected and training-only devices has no meaning when every device is always training"
+    ),
 )  # fmt: skip
 
 
@@ -58,8 +63,8 @@ class FedUmfClient(ClientAlgorithm):
         self._w0: torch.Tensor | None = None  # the (possibly fused) start point of this round
 
     def begin_round(self, ctx: LocalContext) -> None:
-        t = ctx.plan.round
-        selected = bool(ctx.plan.upload)
+        t = ctx.facts.round
+        selected = bool(ctx.facts.upload)
         self.fused_coefficient = 0.0
         # i in S_t ∩ S_{t-1}^c, with the increment computed in round t-1 (not staler than one round).
         if selected and self.stored is not None and self.stored_round == t - 1 and not self.stored_selected:
@@ -82,8 +87,8 @@ class FedUmfClient(ClientAlgorithm):
         if self.stored is None or self.stored.numel() != ctx.flat.size:
             self.stored = torch.empty_like(ctx.flat.params)
         torch.sub(ctx.flat.params, self._w0, out=self.stored)
-        self.stored_round = int(ctx.plan.round)
-        self.stored_selected = bool(ctx.plan.upload)
+        self.stored_round = int(ctx.facts.round)
+        self.stored_selected = bool(ctx.facts.upload)
         return {}, {}
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -46,9 +46,16 @@ CONTRACT = Contract(
     ),
     unequal_steps=True,
     adaptive_steps=True,
+    needs="per_device",
+    needs_why="each device's smoothness and divergence estimates beta_i, delta_i choose its tau_i",
     dp_refusal=(
         "its step counts come from each device's own beta and delta estimates "
         "and gradient, per-device releases the noise does not cover"
+    ),
+    buffered=False,
+    buffered_why=(
+        "its server picks every device's next tau from the round's gradient statistics (beta, delta of all updates of "
+        "one model version): updates of several versions have no common gradient to compare"
     ),
 )  # fmt: skip
 

@@ -16,9 +16,16 @@ CONTRACT = Contract(
         Setting("fixed_point_iters", int, 1, "evaluations of rho, each against the previous rho-weighted aggregate",
                 low=1),
     ),
+    needs="per_device",
+    needs_why="the pairwise similarities of devices' updates",
     dp_refusal=(
         "its weights come from the pairwise similarities of the devices' "
         "own updates, a per-device statistic the noise does not cover"
+    ),
+    buffered=False,
+    buffered_why=(
+        "each update is weighted by its cosine to the mean of the round's updates (or the last global step): it needs "
+        "the whole round's updates of one model version in hand"
     ),
 )  # fmt: skip
 

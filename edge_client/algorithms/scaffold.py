@@ -43,7 +43,14 @@ CONTRACT = Contract(
               required=False),
     ),
     returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit"),),
+    needs="sums",
+    needs_why="the sum of the control variates' changes delta_c",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
+    buffered=False,
+    buffered_why=(
+        "the control variate c is updated from the round's c_i differences, each computed against the c of the "
+        "device's round: a stale c_i difference added to a newer c has no correction in the algorithm"
+    ),
 )  # fmt: skip
 
 
@@ -102,7 +109,7 @@ class ScaffoldClient(ClientAlgorithm):
         else:
             # c_i^new - c_i = delta / (K_i eta_l) - c
             delta_c = (delta.astype(np.float32) / np.float32(self._steps * ctx.plan.lr) - self._c).astype(np.float32)
-            self._old = (ctx.plan.round, self.c_i, ctx.plan.settings.get("last_aggregated") is None)
+            self._old = (ctx.facts.round, self.c_i, ctx.plan.settings.get("last_aggregated") is None)
             self._set_new(self.c_i + delta_c)
         self._c, self._correction = None, None
         return {}, {"delta_c": delta_c}

@@ -1,6 +1,6 @@
 """TACO-tailored SCAFFOLD client half (ALGORITHMS.md 2.7 (f)13, TACO Fig. 6): SCAFFOLD whose correction is scaled by
 ``alpha (1 - alpha_i)``, with ``alpha`` SCAFFOLD's own coefficient (1 by default, giving (f)13's ``1 - alpha_i``) and
-``alpha_i`` the client's TACO coefficient sent as the assignment's ``alpha``. Its ``c_i`` state is kept under this
+``alpha_i`` the client's TACO coefficient sent as the plan's value ``alpha_i``. Its ``c_i`` state is kept under this
 name's state file, and committed only once the server says it aggregated that round (scaffold.py)."""
 
 from __future__ import annotations

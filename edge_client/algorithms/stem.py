@@ -38,7 +38,14 @@ CONTRACT = Contract(
     sends=(Array("v_bar", "the weighted mean of last round's v_i (init = 'server_avg')", required=False,
                  scope="global"),),
     returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half"),),
+    needs="sums",
+    needs_why="the weighted mean of the momenta v",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
+    buffered=False,
+    buffered_why=(
+        "the server's momentum v combines the round's momenta of devices that all started from one model; stale "
+        "momenta of older models would be mixed into it uncorrected"
+    ),
 )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """TACO client half (ALGORITHMS.md 2.7 (a), eq. 8): SGD plus the constant tailored correction.
 
-Each local step uses ``g + gamma (1 - alpha_i^t) Delta_t``, with ``alpha_i^t`` the assignment's ``alpha``; the term is
+Each local step uses ``g + gamma (1 - alpha_i^t) Delta_t``, with ``alpha_i^t`` the plan's per-round value ``alpha_i``
+(``ALPHA_I``, declared by TACO's contract and the tailored variants' like FedVeca's ``P``); the term is
 constant within the round, so it is computed once in ``begin_round`` and added to the flat gradient with one ``add_``
 per step. ``gamma = 0`` means ``1/K`` with K this round's local steps.
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Array, Contract, Setting
+from edge_client.contract import Array, Contract, Setting, Value
 
 log = logging.getLogger("edgefl.client")
 
@@ -40,6 +41,11 @@ ALPHA_REFERENCE = Setting("alpha_reference", str, "mean",
                           "eq. 7's cosine against the mean upload ('mean', the equation) or the global update the "
                           "clients were sent ('previous_global', the prose)",
                           choices=("mean", "previous_global"))  # fmt: skip
+
+#: alpha_i^t, the per-round value the server sends each client of TACO and its tailored variants: eq. 7 from the
+#: client's last upload (``alpha_init`` before its first), a product of a share and a clamped cosine, so in [0, 1]
+ALPHA_I = Value("alpha_i", "TACO's alpha_i of this client (eq. 7), tailoring its correction (eq. 8)", high=1.0,
+                example=ALPHA_INIT.default)  # fmt: skip
 
 CONTRACT = Contract(
     "taco",
@@ -79,10 +85,17 @@ CONTRACT = Contract(
     ),
     sends=(Array("global_delta", "w_{t-1} - w_t, the last global step, for clients that cannot derive it",
                  required=False, scope="global"),),
-    uses_alpha=True,
+    sends_values=(ALPHA_I,),
+    needs="per_device",
+    needs_why="each device's alpha_i from its own update, and freeloader expulsion",
     dp_refusal=(
         "TACO's alpha_i is computed from each device's own update and "
         "sent back to it: a per-device release the noise does not cover"
+    ),
+    buffered=False,
+    buffered_why=(
+        "alpha_i (eq. 7) and freeloader expulsion compare each update with the mean of the round's updates of one "
+        "model version: updates of several versions have no common mean"
     ),
 )  # fmt: skip
 
@@ -96,19 +109,21 @@ DELTA_SCALE = {
 
 
 def tailored_contract(base: Contract, description: str) -> Contract:
-    """``base`` with TACO's alpha_i tailoring its correction (2.7 (f)13): the assignments carry alpha_i, and the
-    server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
+    """``base`` with TACO's alpha_i tailoring its correction (2.7 (f)13): the plans carry the value ``alpha_i``, and
+    the server needs ``alpha_init`` for clients that have not uploaded yet and ``alpha_reference`` for eq. 7."""
     settings = (*base.settings, ALPHA_INIT, ALPHA_REFERENCE)
+    values = (*base.sends_values, ALPHA_I)
     return dataclasses.replace(
-        base, name=f"{base.name}-taco", description=description, settings=settings, uses_alpha=True,
+        base, name=f"{base.name}-taco", description=description, settings=settings, sends_values=values,
+        needs="per_device", needs_why="each device's alpha_i from its own update",
         dp_refusal=CONTRACT.dp_refusal, dp_requires=(),
+        buffered=False, buffered_why=f"{base.name} tailored by TACO's alpha_i: {CONTRACT.buffered_why}",
     )  # fmt: skip
 
 
 def tailored(coefficient: float, ctx: LocalContext) -> float:
     """``coefficient (1 - alpha_i)``: TACO's tailoring of a correction by the client's own alpha (eq. 8, (f)13)."""
-    alpha = ctx.plan.alpha
-    return coefficient * (1.0 - alpha) if alpha is not None else coefficient
+    return coefficient * (1.0 - float(ctx.setting(ALPHA_I.name)))
 
 
 class TacoClient(ClientAlgorithm):
@@ -121,18 +136,18 @@ class TacoClient(ClientAlgorithm):
 
     def global_step(self, ctx: LocalContext) -> torch.Tensor | None:
         """``w_{t-1} - w_t``, or None when there is nothing to correct with."""
-        plan = ctx.plan
+        facts = ctx.facts
         if ctx.has_array("global_delta"):
             return ctx.array("global_delta")
-        if plan.model_version == 0:
+        if facts.model_version == 0:
             return None  # Delta_0 = 0
         prev = self.prev_weights
-        if prev is not None and self.prev_version == plan.model_version - 1 and prev.size == ctx.flat.size:
+        if prev is not None and self.prev_version == facts.model_version - 1 and prev.size == ctx.flat.size:
             return torch.from_numpy(prev).sub(ctx.start)
         log.warning(
             "round %d: taco: no global delta (model version %d, last model seen %d); no correction this round",
-            plan.round,
-            plan.model_version,
+            facts.round,
+            facts.model_version,
             self.prev_version,
         )
         return None
@@ -145,7 +160,7 @@ class TacoClient(ClientAlgorithm):
         coef /= DELTA_SCALE[ctx.setting("correction")](steps, plan.lr)
         step = self.global_step(ctx) if coef else None  # coefficient 0: nothing to correct with
         self.corr = None if step is None else step.mul(coef)
-        self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(plan.model_version)
+        self.prev_weights, self.prev_version = ctx.start.numpy().copy(), int(ctx.facts.model_version)
 
     def correct(self, ctx: LocalContext, step: int, xb: torch.Tensor, yb: torch.Tensor) -> None:
         if self.corr is not None:

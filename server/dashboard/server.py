@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tornado.web
 from tornado.httpserver import HTTPServer
@@ -37,6 +38,7 @@ from server.dashboard.view import TIMELINE_FILE, RunView
 STATIC_DIR = Path(__file__).parent / "static"
 POLL_S = 0.5  # how often each stream looks at the run directory
 HEARTBEAT_S = 10.0  # a stream with no news still sends the server's clock this often
+STREAM_END_S = 2.0  # the longest the run's end waits for a stream to send its last message (a stalled browser's)
 FLAG = "--dashboard"
 #: Only the page's own files; nothing from elsewhere (the page loads nothing from the internet).
 CSP = "default-src 'self'; img-src 'self'; style-src 'self'; script-src 'self'; connect-src 'self'"
@@ -135,10 +137,25 @@ class _EventsHandler(_Handler):
 
     async def get(self) -> None:
         self.set_header("Content-Type", "text/event-stream")
+        streams: set[asyncio.Future[None]] = self.settings["streams"]
+        done = asyncio.get_running_loop().create_future()
+        streams.add(done)
+        try:
+            await self._stream()
+        finally:
+            streams.discard(done)
+            done.set_result(None)
+
+    async def _stream(self) -> None:
         view: RunView = self.settings["view"]
         stopping: asyncio.Event = self.settings["stopping"]
         sent, sent_at = None, 0.0
-        while not stopping.is_set():
+        while True:
+            if stopping.is_set():  # the run ended: say so, so the page stops waiting for news that will not come
+                with contextlib.suppress(StreamClosedError):
+                    self.write(b"data: " + _message(view.snapshot(), ended=True) + b"\n\n")
+                    await self.flush()
+                return
             state = view.snapshot()
             if state is not sent or time.monotonic() - sent_at > HEARTBEAT_S:
                 try:
@@ -151,17 +168,19 @@ class _EventsHandler(_Handler):
                 await asyncio.wait_for(stopping.wait(), POLL_S)
 
 
-def _message(state: bytes) -> bytes:
-    """The state with the server's wall clock, which the page counts elapsed time and 'last seen' on."""
-    return b'{"now": %.3f, "state": %s}' % (time.time(), state)
+def _message(state: bytes, *, ended: bool = False) -> bytes:
+    """The state with the server's wall clock, which the page counts elapsed time and 'last seen' on; ``ended``: the
+    last message, the dashboard server stops with the run."""
+    return b'{"now": %.3f, "ended": %s, "state": %s}' % (time.time(), b"true" if ended else b"false", state)
 
 
 class DashboardServer:
     """The dashboard of ``run_dir`` on ``address``, served from a daemon thread until :meth:`stop`."""
 
-    def __init__(self, run_dir: Path, address: Address) -> None:
+    def __init__(self, run_dir: Path, address: Address, facts: dict[str, Any] | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.address = address
+        self.facts = facts
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
@@ -201,15 +220,17 @@ class DashboardServer:
             ],
             address=self.address,
             port=self.port,
-            view=RunView(self.run_dir),
+            view=RunView(self.run_dir, self.facts),
             stopping=self._stopping,
+            streams=(streams := set()),
         )
         server = HTTPServer(app)
         server.add_sockets(sockets)
         self._ready.set()
         await self._stopping.wait()
         server.stop()
-        await asyncio.sleep(0)  # let the streams see ``stopping`` and finish
+        if streams:  # let every stream send its last message, that the run ended
+            await asyncio.wait(set(streams), timeout=STREAM_END_S)
         await server.close_all_connections()
 
     def stop(self) -> None:
@@ -225,12 +246,15 @@ def announce(server: DashboardServer) -> None:
 
 
 @contextlib.contextmanager
-def serve_dashboard(address: str | None, run_dir: Path) -> Iterator[DashboardServer | None]:
-    """``--dashboard HOST:PORT`` for the length of a run; nothing when the flag was not given."""
+def serve_dashboard(
+    address: str | None, run_dir: Path, facts: dict[str, Any] | None = None
+) -> Iterator[DashboardServer | None]:
+    """``--dashboard HOST:PORT`` for the length of a run, heading the page with ``facts`` (``run_facts``) from the
+    start; nothing when the flag was not given."""
     if not address:
         yield None
         return
-    server = DashboardServer(run_dir, Address.parse(address)).start()
+    server = DashboardServer(run_dir, Address.parse(address), facts).start()
     announce(server)
     try:
         yield server

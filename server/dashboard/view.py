@@ -89,8 +89,10 @@ def _client_report(report: Any) -> dict[str, Any]:
 class RunView:
     """The page's state for one run directory; rebuilt only when one of its files changed."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, facts: dict[str, Any] | None = None) -> None:
+        """``facts``: the run facts the command knows before its server writes ``live.json`` (``run_facts``)."""
         self.run_dir = Path(run_dir)
+        self.facts = dict(facts or {})
         self._offset = 0
         self._points: list[list[float]] = []  # [round, elapsed_s, accuracy]
         self._rejected: dict[str, int] = {}
@@ -111,7 +113,7 @@ class RunView:
         self._read_metrics()
         live = self._read_json(LIVE_FILE)
         summary = self._read_json("summary.json")
-        run = dict(live.get("run") or {})
+        run = {**self.facts, **(live.get("run") or {})}
         # summary.json may be left from an earlier run in the same directory: only a run without live.json (one from
         # before the dashboard) is judged by it
         run["finished"] = bool(run.get("finished")) if live else bool(summary)

@@ -22,7 +22,8 @@ import numpy as np
 
 from edge_client.contract import vector_norm
 from edge_client.dp import CLIP_MARGIN, noise_rng
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.config import RunConfig
 from server.dp.budget import Budget, budget_of
 from server.strategies import Strategy
@@ -78,7 +79,7 @@ class PrivateStrategy:
             return noise_share_std(b.update_multiplier * self.clip_norm, self._selected)
         return 0.0
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
+    def assign(self, round_: int, client_id: str) -> Plan:
         a = self.inner.assign(round_, client_id)
         std = self.device_noise_std()
         a.settings = {**a.settings, "dp_clip_norm": self.clip_norm, **({"dp_noise_std": std} if std else {})}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge_client.algorithms import CONTRACTS, contract_of
+from server.secagg.settings import secure_refusal_of
 
 MODES = ("off", "central", "local")
 
@@ -20,9 +21,17 @@ class PrivacySection:
     target_epsilon: float = 0.0  # the budget: the run stops before a round would spend more (0: no budget)
     delta: float = 0.0  # 0: 1 / clients.count^1.1
     adaptive_clipping: bool = False  # C follows the target_quantile of update norms (Andrew et al. 2021)
-    target_quantile: float = 0.5
+    target_quantile: float = 0.5  # adaptive clipping: the fraction of devices whose update norm should be within C
     clip_learning_rate: float = 0.2  # eta_C of the geometric update C <- C exp(-eta_C (b - target_quantile))
-    secure_aggregation: bool = False  # the devices add the noise in shares, the server only sees the masked sum
+    # secure aggregation (docs/secure-aggregation.md): the server learns only each round's sum; with DP on, the devices
+    # add the noise in shares
+    secure_aggregation: bool = False
+    # the shares that rebuild a device's secrets: a fraction in (0, 1] of its holders (its neighbours and itself,
+    # rounded up, at least 2), or a count >= 2; up to holders - threshold devices may drop after masking
+    threshold: float = 0.6
+    neighbours: int = 0  # SecAgg+'s graph degree (even); 0: every other device of the round (the original SecAgg)
+    quantisation_bits: int = 32  # the ring: integers modulo 2^bits (16-32)
+    stage_deadline_s: float = 30.0  # the longest each stage but the training one waits (keys, masking, unmasking)
 
 
 def default_delta(devices: int) -> float:
@@ -38,8 +47,13 @@ def dp_algorithms() -> list[str]:
 def privacy_refusal(p: PrivacySection, n: int, name: str, params: dict[str, Any], steps_policy: str) -> str | None:
     """Why ``[privacy]`` is refused (a combination that makes no sense, or an algorithm that refuses DP), naming the
     key and the fix; None when it is accepted. ``RunConfig.validate`` raises it as a ConfigError."""
+    if p.secure_aggregation:  # its own keys, and whether the algorithm's server half can work from a sum
+        refused = secure_refusal_of(p, name)
+        if refused:
+            return refused
     if p.mode == "off":
-        given = [k for k in ("clip_norm", "noise_multiplier", "target_epsilon", "delta") if getattr(p, k)]
+        clip = () if p.secure_aggregation else ("clip_norm",)  # secure aggregation clips without DP too
+        given = [k for k in (*clip, "noise_multiplier", "target_epsilon", "delta") if getattr(p, k)]
         if given or p.adaptive_clipping:
             key = given[0] if given else "adaptive_clipping"
             return f"privacy.{key} is set but privacy.mode = 'off'; set privacy.mode = 'central' or 'local'"

@@ -21,8 +21,10 @@ import numpy as np
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 from edge_client.runtime import TrainFn
-from edge_client.trainer import Plan, TrainResult, train_local
+from edge_client.trainer import TrainResult, train_local
 
 BEHAVIOURS = "honest, freeloader or scale:SIGMA (e.g. scale:1.7320508 for variance 3)"
 
@@ -33,7 +35,7 @@ def freeloader() -> TrainFn:
 
     def train(
         flat: FlatModel, weights: np.ndarray, data: ArrayDataset, sampler: BatchSampler, plan: Plan,
-        algorithm: ClientAlgorithm,
+        algorithm: ClientAlgorithm, facts: RoundFacts,
     ) -> TrainResult:  # fmt: skip
         current = np.array(weights, dtype=np.float32)
         before = previous[0] if previous and previous[0].size == current.size else current
@@ -49,9 +51,9 @@ def scaler(sigma: float, client_id: str, seed: int = 0) -> TrainFn:
 
     def train(
         flat: FlatModel, weights: np.ndarray, data: ArrayDataset, sampler: BatchSampler, plan: Plan,
-        algorithm: ClientAlgorithm,
+        algorithm: ClientAlgorithm, facts: RoundFacts,
     ) -> TrainResult:  # fmt: skip
-        result = train_local(flat, weights, data, sampler, plan, algorithm)
+        result = train_local(flat, weights, data, sampler, plan, algorithm, facts)
         result.delta = (result.delta * np.float32(rng.normal(0.0, sigma))).astype(np.float32)
         return result
 

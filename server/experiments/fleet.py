@@ -27,8 +27,10 @@ from edge_client import device
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
+from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 from edge_client.runtime import TrainFn
-from edge_client.trainer import Plan, TrainResult
+from edge_client.trainer import TrainResult
 from server.config import RunConfig
 from server.device_profiles import DeviceProfile, parse_fleet, profiles
 
@@ -95,12 +97,12 @@ def slowed(train: TrainFn, profile: DeviceProfile, facts: DeviceFacts | None = N
 
     def run(
         flat: FlatModel, weights: np.ndarray, data: ArrayDataset, sampler: BatchSampler, plan: Plan,
-        algorithm: ClientAlgorithm,
+        algorithm: ClientAlgorithm, round_facts: RoundFacts,
     ) -> TrainResult:  # fmt: skip
         if facts is not None:
-            facts.round = plan.round
-        result = train(flat, weights, data, sampler, plan, algorithm)
-        share = profile.share_at(plan.round)
+            facts.round = round_facts.round
+        result = train(flat, weights, data, sampler, plan, algorithm, round_facts)
+        share = profile.share_at(round_facts.round)
         result.cpu_s /= share
         result.compute_s = result.cpu_s
         result.overhead_s = result.overhead_cpu_s = result.overhead_cpu_s / share

@@ -40,6 +40,7 @@ from server.experiments.attacks import behaviour
 from server.experiments.fleet import DeviceFacts, Fleet, fleet_of, slowed
 from server.experiments.simulate import behaviours, client_ids, client_state_dirs, roles_summary
 from server.orchestrator import RoundObserver
+from server.target import simulated_holdout
 
 log = logging.getLogger("edgefl.inprocess")
 
@@ -169,12 +170,13 @@ def run_inprocess(
     fleet = fleet_of(config, ids)
     profiles = fleet.by_client if fleet else {}
     state_dirs = client_state_dirs(out_dir, ids)
+    share = simulated_holdout(config)
     for cid, shard in zip(ids, shards, strict=True):
         train = behaviour(roles[cid], cid)
         facts = DeviceFacts(profiles[cid]) if cid in profiles else None
         data, holdout = load_local_data(shard), None
-        if config.eval.holdout:  # as edge-client run --holdout with --holdout-seed = the run's seed
-            data, holdout = split_holdout(data, config.eval.holdout, config.run.seed, cid)
+        if share:  # as edge-client run --holdout with --holdout-seed = the run's seed
+            data, holdout = split_holdout(data, share, config.run.seed, cid)
         client = EdgeClient(
             cid,
             data,

@@ -206,7 +206,9 @@ def _run_specs(
         progress.update(task, description=f"{spec.algorithm} · {spec.column} · seed {spec.seed}")
         key = (spec.config.data.dataset, spec.seed)
         if key not in datasets:
-            datasets[key] = load_dataset(spec.config.data.dataset, seed=spec.seed)
+            datasets[key] = load_dataset(
+                spec.config.data.dataset, seed=spec.seed, label_column=spec.config.data.label_column
+            )
         t0 = time.monotonic()
         record = run_one(spec, datasets[key], run_dir, brokers.for_mode(spec.mode))
         record["duration_s"] = time.monotonic() - t0

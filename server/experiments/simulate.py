@@ -35,6 +35,7 @@ from server.experiments.cgroups import CpuLimits
 from server.experiments.fleet import EMULATED_THROTTLED, Fleet, fleet_of
 from server.experiments.shards import format_histograms, label_histograms, partition_bundle, write_shards
 from server.orchestrator import RoundObserver
+from server.target import simulated_holdout
 
 log = logging.getLogger("edgefl.simulate")
 
@@ -143,6 +144,7 @@ def start_clients(
     fleet = fleet_of(config, ids)
     state_dirs = client_state_dirs(out_dir, ids)
     code_flags, code_env = user_code(config)
+    holdout = simulated_holdout(config)
     for cid, shard in zip(ids, shards, strict=True):
         login = logins[cid]
         # a dishonest client is the device's own command line with its training wrapped (attacks.py)
@@ -172,8 +174,8 @@ def start_clients(
         ]
         if ca_file:
             cmd += ["--ca-file", ca_file]
-        if config.eval.holdout:
-            cmd += ["--holdout", str(config.eval.holdout), "--holdout-seed", str(config.run.seed)]
+        if holdout:
+            cmd += ["--holdout", str(holdout), "--holdout-seed", str(config.run.seed)]
         if config.broker.max_packet_size:
             cmd += ["--max-packet-size", str(config.broker.max_packet_size)]
         if fleet:

@@ -1,11 +1,11 @@
 """The server half of an aggregation algorithm.
 
-The round loop lives once in ``server.orchestrator``; a strategy decides who takes part, what each client is told (so
-per-client values such as tau or alpha need no special case), how updates become the next model, and what else is worth
-evaluating or recording. Updates reach it only after ``server.admission`` checked them against the algorithm's contract,
-so a strategy never sees an undeclared, mis-shaped, non-finite or out-of-bound field. It works on plain float32 vectors,
-so every formula can be exercised in-process without a broker. Sign convention (ALGORITHMS.md C1): ``update.delta =
-w_sent - w_end``, descent-positive.
+The round loop lives once in ``server.orchestrator``; a strategy decides who takes part, the plan each client trains
+(``edge_client.plan.Plan``: per-client values such as tau or alpha need no special case), how updates become the next
+model, and what else is worth evaluating or recording. Updates reach it only after ``server.admission`` checked them
+against the algorithm's contract, so a strategy never sees an undeclared, mis-shaped, non-finite or out-of-bound
+field. It works on plain float32 vectors, so every formula can be exercised in-process without a broker. Sign
+convention (ALGORITHMS.md C1): ``update.delta = w_sent - w_end``, descent-positive.
 
 Aggregation is folded as updates arrive: ``begin`` opens a round's ``Round`` when its assignments are out, ``fold``
 adds each update the moment admission lets it in (into running sums, or into an ``UpdateStore`` for the algorithms
@@ -25,7 +25,8 @@ import numpy as np
 
 from edge_client.contract import Contract, vector_norm
 from edge_client.data import ArrayDataset
-from edge_client.messages import Assignment, Update
+from edge_client.messages import RoundFacts, Update
+from edge_client.plan import Plan
 from edge_client.tasks import TASKS, Task
 from server.strategies.running import RunningMean
 from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore
@@ -137,15 +138,16 @@ class Strategy(ABC):
         """Clients told to train without uploading (FedUmf's unselected clients)."""
         return []
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        """What ``client_id`` is told this round: the run's steps and optimiser and the contract's device settings.
+    def assign(self, round_: int, client_id: str) -> Plan:
+        """The plan ``client_id`` is to train this round: the run's steps and optimiser and the contract's device
+        settings.
 
-        Subclasses add per-client steps, TACO's alpha_i, per-round values and arrays; the orchestrator fills the
-        round's facts (round, model version, deadline, global weights unless a strategy set its own).
+        Subclasses set per-client steps, per-round values (FedVeca's ``P``, TACO's ``alpha_i``) and arrays, and a
+        start model of their own (otherwise the round's global model); the round's facts are the orchestrator's.
         """
         s = self.settings
-        return Assignment(
-            local_steps=s.local_steps,
+        return Plan(
+            steps=s.local_steps,
             lr=s.lr,
             batch_size=s.batch_size,
             settings=self.contract.device_settings(self.params),
@@ -236,15 +238,13 @@ class Strategy(ABC):
         """Restore what ``state_dict`` returned."""
 
 
-def assignment_summary(a: Assignment) -> dict[str, Any]:
+def assignment_summary(plan: Plan, facts: RoundFacts) -> dict[str, Any]:
     """The scalar part of what a client was told, for metrics.jsonl."""
-    out: dict[str, Any] = {"local_steps": a.local_steps, "lr": a.lr, "batch_size": a.batch_size}
-    if a.alpha is not None:
-        out["alpha"] = a.alpha
-    if a.settings:
-        out["settings"] = a.settings
-    if a.arrays:
-        out["arrays"] = sorted(a.arrays)
-    if not a.upload:
+    out: dict[str, Any] = {"local_steps": plan.steps, "lr": plan.lr, "batch_size": plan.batch_size}
+    if plan.settings:
+        out["settings"] = plan.settings
+    if plan.arrays:
+        out["arrays"] = sorted(plan.arrays)
+    if not facts.upload:
         out["upload"] = False
     return out

@@ -33,8 +33,9 @@ from edge_client.data import BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Update
 from edge_client.models import build_model
+from edge_client.plan import Plan
 from edge_client.tasks import task_loss
-from edge_client.trainer import Plan, train_local
+from edge_client.trainer import train_local
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, axpy
 from server.strategies.drag import DragRound, degree_of_divergence, increment_cosine

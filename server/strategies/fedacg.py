@@ -1,7 +1,7 @@
 """FedACG server half (ALGORITHMS.md 2.0 lines 5/19/22, 2.6; [RECOMMENDED] "original" mode after Kim, Kim, Han,
 CVPR 2024), in the descent-positive convention with ``m_0 = 0``:
 
-    original:      clients start from the look-ahead w_hat_t = w_t - lambda m_t (the assignment's weights),
+    original:      clients start from the look-ahead w_hat_t = w_t - lambda m_t (the plan's weights),
                    prox centre w_hat_t, delta_i = w_hat_t - w_{i,K}
                    m_next = lambda m_t + sum_i p_i delta_i          p_i = D_i / D (``weighting = "samples"``, line 22)
                    w_next = w_t - m_next  (= w_hat_t - sum_i p_i delta_i)
@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.fedacg import CONTRACT
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 
@@ -42,14 +43,14 @@ class FedACG(Strategy):
         self.m: np.ndarray | None = None  # None until the first aggregation (m_0 = 0)
         self.lookahead: np.ndarray | None = None  # w_t - lambda m_t, None while it is w_0 itself
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
         if self.lookahead is not None:
             if self.params["mode"] == "original":
-                a.weights = self.lookahead
+                plan.weights = self.lookahead
             else:
-                a.arrays["centre"] = self.lookahead
-        return a
+                plan.arrays["centre"] = self.lookahead
+        return plan
 
     def add(self, rnd: Round, update: Update) -> None:
         rnd.add("delta", update.delta, fold_weight(update, self.params["weighting"]))

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.fednova import CONTRACT
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, fold_weight
 
@@ -56,10 +57,10 @@ class FedNova(Strategy):
             return s.local_steps
         return max(1, math.floor(self.params["epochs"] * d_i / s.batch_size + 1e-9))
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
-        a.local_steps = self.local_steps_for(client_id)
-        return a
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
+        plan.steps = self.local_steps_for(client_id)
+        return plan
 
     def add(self, rnd: Round, update: Update) -> None:
         rnd.add("delta", update.delta, fold_weight(update, "samples"), 1.0 / update.local_steps)

@@ -2,7 +2,7 @@
 
 FedProx (uniform FedAvg aggregation) whose prox coefficient is tailored per client: ``zeta_i^t = zeta (1 - alpha_i^t)``
 with ``alpha_i^t`` TACO's eq. 7 coefficient, computed by the server from each round's uploads (``taco_alphas``), sent as
-the assignment's ``alpha`` and used in the client's next round; ``alpha_i^0 = alpha_init`` (0.1, Algorithm 2's
+the plan's value ``alpha_i`` and used in the client's next round; ``alpha_i^0 = alpha_init`` (0.1, Algorithm 2's
 initialisation) until a client's first upload. Clients not reporting keep their last alpha ((f)12). No tailored
 aggregation, expulsion or z output: (f)13 replaces only the coefficient."""
 

@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from edge_client.algorithms.fedumf import CONTRACT
-from edge_client.messages import Assignment
+from edge_client.plan import Plan
 from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 
@@ -70,11 +70,11 @@ class FedUmf(FedAvg):
             return s.local_steps
         return math.ceil(samples / s.batch_size) * self.params["epochs"]
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
-        a.local_steps, a.lr = self.local_steps_for(client_id), self.lr_at(round_)
-        a.settings["lr_prev"] = self.lr_at(round_ - 1)
-        return a
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
+        plan.steps, plan.lr = self.local_steps_for(client_id), self.lr_at(round_)
+        plan.settings["lr_prev"] = self.lr_at(round_ - 1)
+        return plan
 
     def round_metrics(self) -> dict[str, Any]:
         return {"selected": list(self.selected), "train_only": list(self.trained_only)}

@@ -19,7 +19,8 @@ import numpy as np
 
 from edge_client.algorithms.fedveca import CONTRACT
 from edge_client.contract import ContractError
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import EPS, aggregation_weights, fold_weight
 
@@ -103,11 +104,11 @@ class FedVeca(Strategy):
         self._alpha_warned = False
 
     # -- downlink ----------------------------------------------------------------------------------------------------
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
-        a.local_steps = self.tau.get(client_id, self.tau_init)
-        a.settings["P"] = self.P
-        return a
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
+        plan.steps = self.tau.get(client_id, self.tau_init)
+        plan.settings["P"] = self.P
+        return plan
 
     # -- aggregation -------------------------------------------------------------------------------------------------
     def add(self, rnd: Round, update: Update) -> None:

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.scaffold import CONTRACT
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 
@@ -51,12 +52,12 @@ class Scaffold(Strategy):
         if self.c is None or self.c.shape != (ctx.num_params,):
             self.c = np.zeros(ctx.num_params, dtype=np.float32)
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
+    def assign(self, round_: int, client_id: str) -> Plan:
         assert self.c is not None, "setup() first"
-        a = super().assign(round_, client_id)
-        a.settings["last_aggregated"] = self.aggregated.get(client_id, 0)
-        a.arrays["c"] = self.c
-        return a
+        plan = super().assign(round_, client_id)
+        plan.settings["last_aggregated"] = self.aggregated.get(client_id, 0)
+        plan.arrays["c"] = self.c
+        return plan
 
     def add(self, rnd: Round, update: Update) -> None:
         rnd.add("delta", update.delta, fold_weight(update, self.params["weighting"]))

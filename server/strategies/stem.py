@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.stem import CONTRACT
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 
@@ -37,11 +38,11 @@ class Stem(Strategy):
         super().__init__(settings, params, seed)
         self.v_bar: np.ndarray | None = None  # weighted mean of the last aggregated round's v_i ("server_avg")
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
         if self.params["init"] == "server_avg" and self.v_bar is not None:
-            a.arrays["v_bar"] = self.v_bar
-        return a
+            plan.arrays["v_bar"] = self.v_bar
+        return plan
 
     def add(self, rnd: Round, update: Update) -> None:
         weight = fold_weight(update, self.params["weighting"])

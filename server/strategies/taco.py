@@ -4,7 +4,7 @@ Per round t, over the active (non-expelled) clients that reported: the tailored 
 (eq. 7) from this round's uploads, the alpha-weighted model average (eq. 9 with ``eta_g = K eta_l``, uniform when
 every alpha is 0; stabilised across rounds by default), strikes for ``alpha_i >= kappa`` and expulsion after more
 than ``lambda`` strikes (eq. 10). Each client is
-told its own ``alpha_i`` next round (``Instructions.alpha``, eq. 8's coefficient) and the extra model
+told its own ``alpha_i`` next round (the plan's value ``alpha_i``, eq. 8's coefficient) and the extra model
 ``z_t = w_t + (1 - mean_i alpha_i)(w_t - w_{t-1})`` (eqs. 14, 15) is evaluated beside ``w_t`` every round.
 
 Not streamed: eq. 7 weights each upload by its share of all the round's upload norms and by its cosine to the mean
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.algorithms.taco import CONTRACT
-from edge_client.messages import Assignment, Update
+from edge_client.algorithms.taco import ALPHA_I, CONTRACT
+from edge_client.messages import Update
+from edge_client.plan import Plan
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, cosine_of, normalise
 from server.strategies.store import UpdateStore, held_bytes
@@ -196,14 +197,14 @@ class Taco(Strategy):
 
     # -- round loop --------------------------------------------------------------------------------------------
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)
-        a.alpha = float(self.alpha.get(client_id, self.params["alpha_init"]))
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)
+        plan.settings[ALPHA_I.name] = float(self.alpha.get(client_id, self.params["alpha_init"]))
         missed = self.params["send_global_delta"] or self.last_sent.get(client_id) != self.version - 1
         if self.params["tailored_correction"] and self.last_step is not None and missed:
-            a.arrays = {"global_delta": self.last_step.astype(np.float32)}
+            plan.arrays = {"global_delta": self.last_step.astype(np.float32)}
         self.last_sent[client_id] = self.version
-        return a
+        return plan
 
     def _strike(self, client_id: str, suspect: bool) -> bool:
         """Count a strike for a suspect (eq. 10, or the stabilised test); True when the client has been struck over
@@ -354,7 +355,7 @@ class TailoredCoefficients:
     """Mixin for the (f)13 variants: tracks each client's TACO alpha_i (eq. 7) from every round's uploads.
 
     ``alpha_of(client)`` is ``alpha_init`` until the client's first upload; clients that do not report keep their last
-    alpha ((f)12). Every assignment carries it as ``alpha``; the device half tailors its own coefficient with it
+    alpha ((f)12). Every plan carries it as the value ``alpha_i``; the device half tailors its own coefficient with it
     (zeta_i = zeta (1 - alpha_i), SCAFFOLD's alpha (1 - alpha_i)). With ``alpha_reference = "previous_global"`` the
     reference is the host's last global update ``w_{t-1} - w_t``.
 
@@ -374,10 +375,10 @@ class TailoredCoefficients:
     def alpha_of(self, client_id: str) -> float:
         return self.taco_alpha.get(client_id, float(self.params["alpha_init"]))
 
-    def assign(self, round_: int, client_id: str) -> Assignment:
-        a = super().assign(round_, client_id)  # type: ignore[misc]
-        a.alpha = self.alpha_of(client_id)
-        return a
+    def assign(self, round_: int, client_id: str) -> Plan:
+        plan = super().assign(round_, client_id)  # type: ignore[misc]
+        plan.settings[ALPHA_I.name] = self.alpha_of(client_id)
+        return plan
 
     def begin(self, round_: int, weights: np.ndarray) -> Round:
         rnd = super().begin(round_, weights)  # type: ignore[misc]

@@ -16,7 +16,7 @@ from edge_client.codecs import parse as parse_codec
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
-from edge_client.trainer import TrainResult, plan_for, train_local
+from edge_client.trainer import TrainResult, train_local
 from server.admission import Admission, RoundState
 from server.config import TrainSection
 from server.strategies import Strategy
@@ -28,10 +28,11 @@ S = TypeVar("S", bound=Strategy)
 def train_assignment(
     flat: FlatModel, dataset: ArrayDataset, sampler: BatchSampler, assignment: Assignment, algorithm: ClientAlgorithm
 ) -> TrainResult:
-    """Train on ``assignment`` from its weights as a device does: its plan checked against the contract first."""
-    assert assignment.weights is not None, "the assignment needs the weights to start from"
-    plan = plan_for(assignment, algorithm, flat.size)
-    return train_local(flat, assignment.weights, dataset, sampler, plan, algorithm)
+    """Train on ``assignment`` from its plan's weights as a device does: its plan checked against the contract first."""
+    plan = assignment.plan
+    assert plan.weights is not None, "the plan needs the weights to start from"
+    algorithm.contract.check_plan(plan, flat.size)
+    return train_local(flat, plan.weights, dataset, sampler, plan, algorithm, assignment.facts)
 
 
 def admit(
@@ -84,7 +85,7 @@ def toy_logits(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def train_toy(algorithm: ClientAlgorithm, a: Assignment, data: ArrayDataset, cid: str = "c0") -> TrainResult:
     """``algorithm``'s device half trains the toy model on ``a``, drawing batches as device ``cid`` draws them."""
-    sampler = BatchSampler(len(data), a.batch_size, 0, cid)
+    sampler = BatchSampler(len(data), a.plan.batch_size, 0, cid)
     return train_assignment(FlatModel(toy_model()), data, sampler, a, algorithm)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -40,19 +41,23 @@ Respond = Callable[[Assignment], Iterable[bytes | bytearray]]
 
 def zero_update(a: Assignment, client_id: str, num_samples: int, contract: Contract | None = None) -> Update:
     """A well-formed update that changes nothing: zero delta and the contract's arrays and values as zeros."""
-    size = a.weights.size if a.weights is not None else 0
+    size = a.plan.weights.size if a.plan.weights is not None else 0
     arrays = {x.name: np.zeros(size, np.float32) for x in contract.returns} if contract else {}
     extras = {v.name: 0.0 for v in contract.returns_values} if contract else {}
+    f = a.facts
     return Update(
-        a.round, a.model_version, client_id, num_samples, a.local_steps, 0.01, 0.01, 0.0,
-        np.zeros(size, np.float32), extras=extras, arrays=arrays, run_id=a.run_id,
+        f.round, f.model_version, client_id, num_samples, a.plan.steps, 0.01, 0.01, 0.0,
+        np.zeros(size, np.float32), extras=extras, arrays=arrays, run_id=f.run_id,
     )  # fmt: skip
 
 
 def as_sent(a: Assignment) -> list[Message]:
-    """``a`` (its weights set) as a server sends it: the round's model, then the assignment that names it."""
-    model, slim = split_round(contract_of(a.algorithm), a.round, a.model_version, {"c": a})
-    return [model, slim["c"]]
+    """``a`` (its plan's weights set) as a server sends it: the round's model, then the assignment that names it."""
+    f = a.facts
+    model, shares = split_round(contract_of(f.algorithm), f.round, f.model_version, a.plan.weights, {"c": a.plan})
+    uses, own = shares["c"]
+    named = Assignment(a.plan, replace(f, sha256=model.sha256), arrays=own, global_arrays=uses, msg_id=a.msg_id)
+    return [model, named]
 
 
 def raw_update(update: Update, dtypes: dict[str, str] | None = None) -> bytes:
@@ -152,14 +157,15 @@ class FakeDevice:
             self.hello()
         elif isinstance(msg, GlobalModel):
             self.models.add(msg)
-            if self._waiting is not None and self._waiting.model_sha256 == msg.sha256:
+            if self._waiting is not None and self._waiting.facts.sha256 == msg.sha256:
                 self._answer(self._waiting)
         elif isinstance(msg, Assignment):
-            if msg.model_sha256 in self.models:
+            if msg.facts.sha256 in self.models:
                 self._answer(msg)
             else:
                 self._waiting = msg
-                request = ModelRequest(msg.round, self.client_id, msg.model_sha256, run_id=msg.run_id)
+                f = msg.facts
+                request = ModelRequest(f.round, self.client_id, f.sha256, run_id=f.run_id)
                 self.link.publish(self.topics.up(self.client_id), encode(request))
         elif isinstance(msg, Stop):
             self.stopped_by_server.set()
@@ -168,9 +174,9 @@ class FakeDevice:
 
     def _answer(self, assignment: Assignment) -> None:
         self._waiting = None
-        a = self.models.complete(assignment)
-        self.assignments.append(a)
-        for frame in self.respond(a):
+        self.models.complete(assignment)
+        self.assignments.append(assignment)
+        for frame in self.respond(assignment):
             self.link.publish(self.topics.up(self.client_id), frame)
 
     def _run(self) -> None:

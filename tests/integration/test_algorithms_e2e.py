@@ -14,6 +14,7 @@ from edgefl_testkit.federation import Hooks
 
 from edge_client.algorithms import contract_of
 from edge_client.messages import Assignment
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
@@ -45,7 +46,7 @@ class WireSniffer:
     def __init__(self, broker: Broker, job: str) -> None:
         config = LinkConfig(broker.url, broker.server.username, broker.server.password)
         self.link = MqttLink(config, f"sniffer-{job}", [f"edgefl/{job}/c/+/down"]).start()
-        self.seen: dict[tuple[int, str], Assignment] = {}
+        self.seen: dict[tuple[int, str], Plan] = {}  # the plan each client was sent
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -55,9 +56,9 @@ class WireSniffer:
             received = self.link.receive(0.2)
             if received and isinstance(received[1], Assignment):
                 topic, msg = received
-                self.seen[(msg.round, topic.split("/")[3])] = msg  # edgefl/<job>/c/<client>/down
+                self.seen[(msg.facts.round, topic.split("/")[3])] = msg.plan  # edgefl/<job>/c/<client>/down
 
-    def close(self) -> dict[tuple[int, str], Assignment]:
+    def close(self) -> dict[tuple[int, str], Plan]:
         self._stop.set()
         self._thread.join(10)
         self.link.stop()
@@ -88,12 +89,12 @@ def test_fedveca_tau_travels_to_each_client_and_is_run(federation, sniff) -> Non
     for row in rows:
         for cid, told in row["instructions"].items():
             wire = seen[(row["round"], cid)]
-            assert wire.local_steps == told["local_steps"]  # what the server recorded is what travelled
-            assert row["clients"][cid]["local_steps"] == wire.local_steps  # and the client ran exactly that many
+            assert wire.steps == told["local_steps"]  # what the server recorded is what travelled
+            assert row["clients"][cid]["local_steps"] == wire.steps  # and the client ran exactly that many
     # each client's tau is the one the server computed at the end of the previous round (tau_init for round 2)
     for previous, row in itertools.pairwise(rows):
         computed = previous["algorithm"]["tau"]
-        assert {cid: seen[(row["round"], cid)].local_steps for cid in row["instructions"]} == {
+        assert {cid: seen[(row["round"], cid)].steps for cid in row["instructions"]} == {
             cid: computed[cid] for cid in row["instructions"]
         }
 
@@ -108,9 +109,9 @@ def test_taco_alpha_travels_to_each_client(federation, sniff) -> None:
     rows = hooks.rows
     for previous, row in itertools.pairwise(rows):
         for cid in row["instructions"]:
-            alpha = seen[(row["round"], cid)].alpha
+            alpha = seen[(row["round"], cid)].settings["alpha_i"]
             assert alpha == pytest.approx(previous["algorithm"]["alpha"][cid], abs=1e-12)
-            assert alpha == row["instructions"][cid]["alpha"]
+            assert alpha == row["instructions"][cid]["settings"]["alpha_i"]
 
 
 def test_taco_expels_a_freeloader(federation) -> None:
@@ -150,7 +151,7 @@ def test_update_missing_required_extras_is_rejected_and_round_goes_on(federation
     finally:
         device.stop()
     assert device.error is None, device.error
-    assert [a.round for a in device.assignments] == [1, 2]
+    assert [a.facts.round for a in device.assignments] == [1, 2]
     assert summary["rounds"] == 2
     assert summary["rejected"]["missing_field"] == 2
     for row in hooks.rows:

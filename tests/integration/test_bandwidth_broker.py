@@ -121,7 +121,8 @@ class Wiretap:
                 continue
             msg, (cid, direction) = decode(payload), topic.split("/")[3:5]
             if isinstance(msg, Update | Assignment):
-                out[(cid, direction, msg.round)] += len(payload)
+                round_ = msg.facts.round if isinstance(msg, Assignment) else msg.round
+                out[(cid, direction, round_)] += len(payload)
             elif isinstance(msg, GlobalModel):
                 models += len(payload)
             elif direction == "up":

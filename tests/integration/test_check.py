@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from edgefl_testkit.mqtt import require_mosquitto, throwaway_certificate
 
 from edge_client import check
 from edge_client.messages import Presence
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
-from server.broker import Broker, free_port
+from server.broker import Broker, BrokerSettings, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -82,6 +83,32 @@ def test_unreachable_broker_fails_the_broker_item() -> None:
     items = by_name(list(check.check_broker(lambda: LinkConfig(url, "c5", "pw"), "c5", "j")))
     assert items["broker"].ok is False and "cannot reach 127.0.0.1" in items["broker"].detail
     assert items["acl"].ok is None
+
+
+def test_the_wrong_scheme_for_a_tls_listener_says_use_mqtts(tmp_path: Path) -> None:
+    """A real mosquitto with TLS: mqtt:// fails at once naming mqtts:// and --ca-file (not "no answer within 10 s"),
+    and the server's own link says the same after its timeout; mqtts:// with the CA file is ready."""
+    require_mosquitto()
+    cert, key = throwaway_certificate(tmp_path)
+    settings = BrokerSettings(devices=["tls-1"], certfile=str(cert), keyfile=str(key))
+    with Broker(tmp_path / "broker", settings).start() as tls_broker:
+        port, password = tls_broker.port, tls_broker.devices["tls-1"].password
+        plain = LinkConfig(f"mqtt://127.0.0.1:{port}", "tls-1", password, connect_timeout_s=1)
+        items = by_name(list(check.check_broker(lambda: plain, "tls-1", "j")))
+        assert items["broker"].ok is False and items["acl"].ok is None
+        assert f"speaks TLS: use mqtts://127.0.0.1:{port} with --ca-file" in items["broker"].detail
+        with pytest.raises(ConnectionError, match=r"no answer within 1 s; the listener at .* speaks TLS: use mqtts://"):
+            MqttLink(plain, "edgefl-j-tls-1-link", []).start()
+        good = LinkConfig(f"mqtts://127.0.0.1:{port}", "tls-1", password, ca_file=str(cert))
+        assert by_name(list(check.check_broker(lambda: good, "tls-1", "j")))["broker"].ok is True
+
+
+def test_tls_against_a_plain_listener_says_so(broker: Broker) -> None:
+    """The other way round: mqtts:// to the session's plain mosquitto fails at once, naming the handshake."""
+    _, port, _ = LinkConfig(broker.url).endpoint()
+    config = LinkConfig(f"mqtts://127.0.0.1:{port}", "c9", broker.devices["c9"].password)
+    items = by_name(list(check.check_broker(lambda: config, "c9", "j")))
+    assert items["broker"].ok is False and "does not complete a TLS handshake" in items["broker"].detail
 
 
 def test_acl_denial_is_detected(broker: Broker) -> None:

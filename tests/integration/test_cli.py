@@ -269,3 +269,68 @@ def test_client_with_wrong_password_exits_refused_naming_the_login(broker: Broke
     assert result.returncode == ExitStatus.REFUSED, result.stderr[-2000:]  # the unit does not restart on it
     assert "'c5'" in result.stderr
     assert re.search(r"username and password", result.stderr), result.stderr[-2000:]
+
+
+def test_a_waiting_server_prints_each_change_and_tells_its_devices_it_was_interrupted(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """Output that is not a terminal (a log file, systemd) gets a line per change of what `edge-server run` waits
+    for; stopped (SIGTERM) before round 1, the server tells its devices the run was interrupted, not finished."""
+    from server.experiments.datasets import load_dataset
+
+    digits = load_dataset("digits").train
+    data = tmp_path / "c3.npz"
+    np.savez(data, x=digits.x[:40], y=digits.y[:40])
+    job = "cli-waiting"
+    flags = ["--dataset", "digits", "--min-clients", "2", "--job", job, "--out", str(tmp_path / "run"), "--rounds", "1"]
+    server = subprocess.Popen(
+        [*SERVER, "run", "--broker", broker.url, *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "EDGEFL_PASSWORD": broker.server.password},
+    )
+    device = None
+    try:
+        server.stdout = server.stderr  # LineReader reads the console, which rich writes to stderr
+        lines = LineReader(server)
+        lines.until(r"^waiting for clients: 0/2 registered$", time.monotonic() + TIMEOUT)
+        device = subprocess.Popen(
+            [
+                *CLIENT,
+                "run",
+                "--broker",
+                broker.url,
+                "--client-id",
+                "c3",
+                "--job",
+                job,
+                "--data",
+                str(data),
+                "--threads",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "EDGEFL_PASSWORD": broker.devices["c3"].password},
+        )
+        device.stdout = device.stderr
+        device_lines = LineReader(device)
+        assert (
+            lines.until(r"waiting for clients", time.monotonic() + TIMEOUT)[-1] == "waiting for clients: 1/2 registered"
+        )
+        device_lines.until(r"registered with the server", time.monotonic() + TIMEOUT)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=TIMEOUT) == 128 + signal.SIGTERM
+        said = device_lines.until(r"run \S+ ended: |stop of run", time.monotonic() + TIMEOUT)[-1]
+        assert said.endswith("ended: interrupted (SIGTERM)"), said
+        device.send_signal(signal.SIGTERM)
+        assert device.wait(timeout=TIMEOUT) == ExitStatus.FINISHED
+    finally:
+        for proc in (server, device):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=TIMEOUT)

@@ -1,6 +1,6 @@
-"""Bring your own model, task and data (issue 13): examples/custom_model run as its README says, over a real mosquitto
-with real ``edge-server run`` and ``edge-client run`` processes, the server without data and the devices evaluating;
-a device whose model differs is refused at registration and told which parameter differs."""
+"""Bring your own model, task and data (issue 13): examples/custom_model run as docs/own-model.md says, over a real
+mosquitto with real ``edge-server run`` and ``edge-client run`` processes, the server without data and the devices
+evaluating; a device whose model differs is refused at registration and told which parameter differs."""
 
 from __future__ import annotations
 

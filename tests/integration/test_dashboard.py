@@ -23,7 +23,7 @@ from edgefl_testkit.mqtt import require_mosquitto
 from PIL import Image
 
 from server.config import ConfigError
-from server.dashboard.server import Address
+from server.dashboard.server import Address, DashboardServer
 from server.dashboard.view import TIMELINE_FILE, RunView
 from server.live_state import LiveState
 
@@ -62,7 +62,7 @@ def test_view_from_the_run_directory(tmp_path: Path) -> None:
     live.registered("a", {"device_class": "pi4", "hostname": "<b>pi</b>"})
     live.registered("b", {"machine": "aarch64", "cpu_count": 4, "memory_mb": 3796})
     live.rejected("b", "norm")
-    live.round_started(3, 3.0, {"a": {"local_steps": 12, "alpha": 0.25}})
+    live.round_started(3, 3.0, {"a": {"local_steps": 12, "settings": {"alpha_i": 0.25}}})
     live.presence("b", False)
     live.close()
     flags = ["under_voltage"]
@@ -274,6 +274,22 @@ def test_page_follows_a_live_simulation(tmp_path: Path, start, browser) -> None:
     shot = tmp_path / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)
     _not_blank(shot)
+    page.close()
+
+
+@pytest.mark.integration
+def test_page_shows_the_run_facts_at_once_and_says_when_the_run_ended(tmp_path: Path, browser) -> None:
+    """Before the server wrote anything the page heads with the command's run facts; at the run's end it says so."""
+    facts = {"algorithm": "fedavg", "dataset": "digits", "partition": "iid", "job": "j", "rounds": 3, "target": 0.9}
+    server = DashboardServer(tmp_path, Address.parse("127.0.0.1:0"), facts).start()
+    page = browser.new_page()
+    try:
+        page.goto(server.url)
+        page.wait_for_function("() => document.getElementById('status').textContent.startsWith('starting')")
+        assert page.locator("#algorithm").text_content() == "fedavg"
+    finally:
+        server.stop()
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('dashboard server stopped')")
     page.close()
 
 

@@ -120,7 +120,8 @@ def _flooder(job: str, client_id: str, publish_up: Callable[[bytes | bytearray],
     def respond(a: Assignment) -> list[bytes | bytearray]:
         for _ in range(PAIRS):
             publish_up(encode(Resync(client_id, since=uuid.uuid4().hex, round=0)))
-            publish_up(encode(ModelRequest(a.round, client_id, a.model_sha256, run_id=a.run_id)))
+            f = a.facts
+            publish_up(encode(ModelRequest(f.round, client_id, f.sha256, run_id=f.run_id)))
         return [encode(zero_update(a, client_id, 10))]
 
     return respond

@@ -29,8 +29,9 @@ from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
-from edge_client.messages import Assignment, Presence, Update
+from edge_client.messages import Assignment, Presence, RoundFacts, Update
 from edge_client.models import build_model, get_flat
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
@@ -87,9 +88,9 @@ def play_round(strategy: Strategy, round_: int, weights: np.ndarray, seed: int) 
 
 
 def assert_same(a: Any, b: Any) -> None:
-    """Deep equality where arrays (and assignments holding them) must match bit for bit."""
-    if isinstance(a, Assignment):  # every field but the message id, which is new for every message
-        assert_same({**vars(a), "msg_id": ""}, {**vars(b), "msg_id": ""})
+    """Deep equality where arrays (and plans holding them) must match bit for bit."""
+    if isinstance(a, Plan):  # every field
+        assert_same(vars(a), vars(b))
     elif isinstance(a, dict):
         assert a.keys() == b.keys()
         for key in a:
@@ -228,7 +229,7 @@ def test_a_slow_device_that_missed_a_round_gets_a_deadline_it_meets(federation, 
                          deadline_margin_s=1.0, deadline_floor_s=0.5)  # fmt: skip
 
     def slow(a: Assignment) -> list[bytes | bytearray]:
-        if a.round == 2:
+        if a.facts.round == 2:
             return []  # missed: its link was down
         time.sleep(slow_s)  # the device's own compute, not a synchronisation
         return [encode(replace(zero_update(a, "c9", 10), compute_s=slow_s))]
@@ -256,20 +257,20 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
     orch, _ = federation("absurd", clients=2, rounds=len(kinds))
 
     def absurd(msg: Assignment) -> list[bytes | bytearray]:
-        assert msg.weights is not None
-        n = msg.weights.size
-        ok = {"round": msg.round, "model_version": msg.model_version, "run_id": msg.run_id, "num_samples": 10}
+        assert msg.plan.weights is not None
+        n, f = msg.plan.weights.size, msg.facts
+        ok = {"round": f.round, "model_version": f.model_version, "run_id": f.run_id, "num_samples": 10}
         bad = {
             "norm": make_update("c9", np.full(n, 1e6), **ok),
             "non_finite": make_update("c9", np.full(n, np.nan), **ok),
-            "model_version": make_update("c9", np.zeros(n), **{**ok, "model_version": msg.model_version + 7}),
+            "model_version": make_update("c9", np.zeros(n), **{**ok, "model_version": f.model_version + 7}),
             "shape": make_update("c9", np.zeros(n + 1), **ok),
         }
-        return [encode(bad[kinds[msg.round - 1]])]
+        return [encode(bad[kinds[f.round - 1]])]
 
     summary, device = run_beside_c9(orch, broker, "absurd", absurd)
     rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
-    assert summary["rounds"] == len(kinds) and [a.round for a in device.assignments] == [1, 2, 3, 4]
+    assert summary["rounds"] == len(kinds) and [a.facts.round for a in device.assignments] == [1, 2, 3, 4]
     for row, kind in zip(rows, kinds, strict=True):
         assert row["rejected"] == {kind: 1} and row["failed"] == {"c9": f"rejected: {kind}"}, row
         assert "c9" not in row["clients"] and row["missing"] == ["c9"]
@@ -423,10 +424,10 @@ def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.Lo
 
     def served(round_: int, run_id: str = "run-1") -> list[int]:
         client.handle(Presence("server", True, role="server", run_id=run_id))  # the server says which run is current
-        for msg in as_sent(
-            Assignment(local_steps=2, lr=0.1, batch_size=4, weights=weights, round=round_, model_version=round_,
-                       deadline_s=10.0, algorithm="fedavg", model=SPEC, run_id=run_id)
-        ):  # fmt: skip
+        facts = RoundFacts(
+            round=round_, model_version=round_, deadline_s=10.0, algorithm="fedavg", model=SPEC, run_id=run_id
+        )
+        for msg in as_sent(Assignment(Plan(2, 0.1, 4, weights=weights), facts)):
             client.handle(msg)
         return [m.round for _, m in iter(lambda: server.receive(0), None) if isinstance(m, Update)]
 

@@ -415,7 +415,7 @@ def test_offline_install_from_wheel_dir(tmp_path: Path) -> None:
         install(root, "--wheels", wheels, "--no-deps", "--no-start", "--no-check")
     venv = root / "opt/edgefl/venv"
     assert os.access(venv / "bin/edge-client", os.X_OK)
-    shown = run(venv / "bin/python", "-m", "pip", "show", "edgefl").stdout
+    shown = run(venv / "bin/python", "-m", "pip", "show", "edgefl-mqtt").stdout
     assert re.search(r"^Version: \d", shown, re.M)
     assert list((venv / "lib").glob("python3*/site-packages/edge_client/cli.py"))
     # without --no-check the installer ends with edge-client check; here it fails (no broker, no data, and

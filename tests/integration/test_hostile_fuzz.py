@@ -63,10 +63,12 @@ from edge_client.messages import (
     Presence,
     Refusal,
     Resync,
+    RoundFacts,
     Stop,
     Update,
     new_msg_id,
 )
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.transport import LinkConfig
 from server.broker import Broker
@@ -112,14 +114,14 @@ CLIENT_FIELDS: dict[str, tuple[str, ...]] = {
 SERVER_FIELDS: dict[str, tuple[str, ...]] = {  # the server's own messages, which a device may not send
     "stop": ("reason", "run"),
     "ack": ("of", "accepted", "round", "reason", "run"),
-    "assignment": ("round", "model_version", "local_steps", "lr", "algorithm", "run"),
+    "assignment": ("plan", "facts", "globals"),
     "refusal": ("client_id", "reason", "detail"),
     "chunk": ("of", "i", "n", "size", "cs", "sha256"),
 }
 INTS = {"round", "model_version", "num_samples", "local_steps", "eval_samples", "i", "n", "size", "cs"}
 FLOATS = {"compute_s", "cpu_s", "train_loss", "loss", "eval_s", "lr"}
 BOOLS = {"online", "accepted"}
-MAPS = {"device", "model", "metrics", "extras"}  # free-form maps on the wire
+MAPS = {"device", "model", "metrics", "extras", "plan", "facts"}  # maps on the wire
 UNKNOWN_FIELD = "zz"
 
 
@@ -281,8 +283,17 @@ def baseline(a: Action, ctx: Context) -> Message | Chunk:
         case "ack":
             return Ack(new_msg_id(), True, r, run_id=ctx.run_id)
         case "assignment":
-            return Assignment(1, 0.1, 1, round=r, model_version=ctx.version, deadline_s=1.0, algorithm="fedavg",
-                              run_id=ctx.run_id, model_sha256=ctx.sha256)  # fmt: skip
+            return Assignment(
+                Plan(1, 0.1, 1),
+                RoundFacts(
+                    round=r,
+                    model_version=ctx.version,
+                    deadline_s=1.0,
+                    algorithm="fedavg",
+                    run_id=ctx.run_id,
+                    sha256=ctx.sha256,
+                ),
+            )
         case "refusal":
             return Refusal(HOSTILE, "model", "fuzz")
         case "chunk":
@@ -345,12 +356,13 @@ class HostileDevice(HonestDevice):
 
     def train(self, a: Assignment) -> list[bytes | bytearray]:
         """``FakeDevice``'s ``respond``: the plan's train actions, then the closing update or failure report."""
-        assert a.weights is not None
-        ctx = self.context = Context(a.round, a.model_version, a.run_id, a.model_sha256, a.weights.size, a.local_steps)
+        f, weights = a.facts, a.plan.weights
+        assert weights is not None
+        ctx = self.context = Context(f.round, f.model_version, f.run_id, f.sha256, weights.size, a.plan.steps)
         self.play(self.plan.train, ctx)
         if self.plan.closes_with == "update":
             return [encode(zero_update(a, HOSTILE, SAMPLES))]
-        return [encode(Failure(a.round, HOSTILE, "fuzz", "closing the round", a.run_id))]
+        return [encode(Failure(f.round, HOSTILE, "fuzz", "closing the round", f.run_id))]
 
     def handle(self, msg: Message) -> bool:
         if isinstance(msg, Ack):

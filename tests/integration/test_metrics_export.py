@@ -324,7 +324,15 @@ def _prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, str
             proc.kill()
             raise AssertionError(f"prometheus did not start:\n{(tmp_path / 'prometheus.log').read_text()}")
         time.sleep(0.1)
+    # scraping before the run starts: a run of a few seconds is then scraped while it lasts (a server nobody scraped
+    # does not wait for a last scrape), whenever Prometheus's first scrape would have fallen
+    poll(lambda: _scraped_once(url), 60, "prometheus tried its first scrape")
     return proc, url
+
+
+def _scraped_once(url: str) -> bool:
+    targets = json.loads(_get(url + "/api/v1/targets")[1])["data"]["activeTargets"]
+    return bool(targets) and not targets[0]["lastScrape"].startswith("0001")
 
 
 def _ready(url: str) -> int:

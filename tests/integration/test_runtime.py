@@ -76,8 +76,17 @@ class FakeServer:
 
     def assign(self, a: Assignment) -> None:
         """``a`` as the server sends it: its model broadcast once per version, then the assignment naming it."""
-        self.distribution.send(a.round, a.model_version, {CID: a})
+        f = a.facts
+        sha = self.distribution.publish(f.round, f.model_version, a.plan.weights, {CID: a.plan}, f.run_id)
+        self.distribution.send({CID: a.plan}, {CID: dataclasses.replace(f, sha256=sha)})
         assert self.link.wait_published(TIMEOUT)
+
+    def named(self, a: Assignment, **facts: Any) -> Assignment:
+        """``a`` naming its round's model (its facts changed by ``facts``), which the server holds, to answer a device
+        that asks for it, but does not broadcast."""
+        f = a.facts
+        sha = self.distribution.split(f.round, f.model_version, a.plan.weights, {CID: a.plan}, f.run_id)
+        return Assignment(a.plan, dataclasses.replace(f, sha256=sha, **facts))
 
     def send(self, msg: Message, topic: str | None = None) -> None:
         self.link.publish(topic or self.topics.down(CID), encode(msg))
@@ -279,8 +288,7 @@ def test_a_device_that_missed_the_model_asks_the_server_for_it(broker: Broker, j
     server.expect(Hello)
     weights = get_flat(build_model(SPEC))
     a = assignment(1, 4, weights)
-    slim = server.distribution.split(1, 0, {CID: a})[CID]  # the model is never broadcast
-    server.send(slim)
+    server.send(server.named(a))  # the model is never broadcast
     request = server.expect(ModelRequest, skip=(Hello,))
     assert (request.client_id, request.round, request.sha256) == (CID, 1, model_digest(weights, {}))
     server.distribution.answer(CID, request, told={CID})
@@ -298,11 +306,11 @@ def test_a_model_that_does_not_match_its_digest_is_reported_not_trained(
     runner = ClientThread(make_client(broker, job, make_dataset(), model_wait_s=60.0), max_rounds=1)
     server.expect(Hello)
     weights = get_flat(build_model(SPEC))
-    slim = server.distribution.split(1, 0, {CID: assignment(1, 4, weights)})[CID]
+    slim = server.named(assignment(1, 4, weights))
     server.send(slim)
     garbage = weights.copy()
     garbage[7] += 1.0  # one value off: the bytes no longer hash to the digest the assignment names
-    server.send(GlobalModel(1, 0, slim.model_sha256, garbage), topic=server.topics.round_model_frame(0))
+    server.send(GlobalModel(1, 0, slim.facts.sha256, garbage), topic=server.topics.round_model_frame(0))
     failure = server.expect(Failure, skip=(Hello,))
     assert (failure.round, failure.reason) == (1, "model_hash")
     server.assign(assignment(2, 4, weights))  # the device keeps serving
@@ -314,8 +322,7 @@ def test_a_model_that_never_comes_is_reported_at_the_deadline(broker: Broker, jo
     runner = ClientThread(make_client(broker, job, make_dataset(), model_wait_s=0.1), max_rounds=1)
     server.expect(Hello)
     weights = get_flat(build_model(SPEC))
-    slim = server.distribution.split(1, 0, {CID: assignment(1, 4, weights)})[CID]
-    server.send(dataclasses.replace(slim, deadline_s=1.0))
+    server.send(server.named(assignment(1, 4, weights), deadline_s=1.0))
     server.expect(ModelRequest, skip=(Hello,))  # asked, never answered
     failure = server.expect(Failure, skip=(Hello,))
     assert (failure.round, failure.reason) == (1, "model_unavailable")

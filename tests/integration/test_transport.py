@@ -26,10 +26,12 @@ from edge_client.messages import (
     Message,
     ModelRequest,
     Presence,
+    RoundFacts,
     Stop,
     Update,
     model_digest,
 )
+from edge_client.plan import Plan
 from edge_client.protocol import MessageTooLarge, encode
 from edge_client.topics import Topics
 from edge_client.transport import PUBLISH_OVERHEAD, LinkConfig, MqttLink
@@ -167,25 +169,14 @@ def test_every_production_message_type_round_trips(broker: Broker, links: LinkFa
         assert_same(got, msg)
 
     assignment = Assignment(
-        round=3,
-        model_version=2,
-        local_steps=20,
-        lr=0.05,
-        batch_size=32,
-        deadline_s=60.0,
-        algorithm="fedavg",
-        model={"name": "mlp", "in_features": 64, "num_classes": 10},
-        alpha=0.5,
-        settings={"zeta": 0.01},
+        Plan(20, 0.05, 32, settings={"zeta": 0.01, "alpha_i": 0.5}, momentum=0.5, weight_decay=5e-4),
+        RoundFacts(
+            round=3, model_version=2, sha256="ab" * 32, deadline_s=60.0, upload=False, run_id="run-1",
+            algorithm="fedavg", model={"name": "mlp", "in_features": 64, "num_classes": 10}, seed=7,
+        ),
         arrays={"c": np.ones(4, dtype=np.float32)},
-        momentum=0.5,
-        weight_decay=5e-4,
-        upload=False,
-        seed=7,
-        run_id="run-1",
-        model_sha256="ab" * 32,
         global_arrays=["c_global"],
-    )
+    )  # fmt: skip
     weights, shared = np.linspace(-1, 1, 5000, dtype=np.float32), {"c_global": np.ones(5000, dtype=np.float32)}
     model = GlobalModel(3, 2, model_digest(weights, shared), weights, shared, run_id="run-1")
     downward: list[tuple[str, Message]] = [

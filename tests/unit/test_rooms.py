@@ -48,10 +48,6 @@ DEFERRED = {
     "dp_accounting": "imported when a run uses DP: the library takes seconds to import, which every run would pay",
 }
 
-#: circles (their modules) that a change in progress removes; the test fails once one is gone, to drop it here.
-#: edge_client.algorithms.base names ``Plan`` of edge_client.trainer for its types (issue 25: one plan per device).
-KNOWN_CIRCLES = [{"edge_client.algorithms.base", "edge_client.trainer"}]
-
 
 @dataclass(frozen=True)
 class Import:
@@ -153,11 +149,9 @@ def test_no_import_circle() -> None:
         if i.deferred or i.imported == i.importer:
             continue
         back = reaches(graph, i.imported, i.importer)
-        if back and not any({i.importer, i.imported} <= known for known in KNOWN_CIRCLES):
+        if back:
             circles[f"{i.importer}:{i.line}"] = " -> ".join([i.importer, *back])
     assert not circles, f"import circles (move what both sides need into a module both import): {circles}"
-    gone = [known for known in KNOWN_CIRCLES if not all(reaches(graph, a, b) for a in known for b in known - {a})]
-    assert not gone, f"these circles are gone: remove them from KNOWN_CIRCLES: {gone}"
 
 
 def test_no_deferred_import_dodges_a_circle() -> None:

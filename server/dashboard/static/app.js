@@ -8,6 +8,7 @@ const DASH = "–";
 let latest = null; // {now, state}
 let receivedAt = 0; // performance.now() when `latest` arrived
 let connected = false;
+let ended = false; // the dashboard server said it stops (with its run, or its command was stopped): no news will come
 
 function serverNow() {
   return latest ? latest.now + (performance.now() - receivedAt) / 1000 : null;
@@ -108,6 +109,7 @@ function drawChart(el, points, xi, target) {
 function statusText(s) {
   const run = s.run || {};
   if (run.finished) return `finished: ${s.rounds_done} rounds`;
+  if (!run.started_at) return "starting: the server prepares the run";
   if (!run.round) return `waiting for clients: ${s.clients.filter((c) => c.online).length} online`;
   return s.rounds_done >= run.round ? `round ${run.round} done` : `training round ${run.round}`;
 }
@@ -186,7 +188,11 @@ function render() {
   const target = run.target ?? null;
   const reached = s.reached ? `, reached in round ${s.reached.round} at ${fmtSeconds(s.reached.elapsed_s)}` : "";
   setText("target", target === null ? DASH : `${target.toFixed(2)}${reached}`);
-  setText("status", connected ? statusText(s) : `${statusText(s)} (dashboard server not reachable)`);
+  const stopped = run.finished ? "the run has ended and its dashboard server stopped with it"
+    : "the dashboard server stopped";
+  const link = ended ? ` · ${stopped}: this page no longer updates`
+    : connected ? "" : " (dashboard server not reachable)";
+  setText("status", statusText(s) + link);
   drawChart(document.getElementById("chart-rounds"), s.points, 0, target);
   drawChart(document.getElementById("chart-time"), s.points, 1, target);
   renderClients(s);
@@ -219,6 +225,10 @@ function connect() {
     latest = JSON.parse(e.data);
     receivedAt = performance.now();
     connected = true;
+    if (latest.ended) {
+      ended = true;
+      events.close(); // the server is gone: do not retry
+    }
     render();
   };
   events.onerror = () => {

@@ -72,7 +72,7 @@ def test_partial_participation_renormalises_and_uses_reported_steps() -> None:
     w = rng.normal(size=5).astype(np.float32)
     s = FedNova(SETTINGS)
     set_up(s, 5, {"a": 40, "b": 100, "c": 20})
-    assert s.assign(1, "b").local_steps == 10
+    assert s.assign(1, "b").steps == 10
     deltas = [rng.normal(size=5), rng.normal(size=5)]
     updates = [upd("a", deltas[0], 40, 4), upd("b", deltas[1], 100, 7)]  # b stopped after 7 of 10
     out = s.aggregate(1, w, updates)
@@ -104,7 +104,7 @@ def test_per_client_tau_from_dataset_size(epochs: float, expected: dict[str, int
     set_up(s, 3, {"a": 100, "b": 35, "c": 5, "d": 0})
     for cid, tau in expected.items():
         told = s.assign(1, cid)
-        assert told.local_steps == tau, cid
+        assert told.steps == tau, cid
         assert (told.lr, told.batch_size) == (SETTINGS.lr, SETTINGS.batch_size)
 
 
@@ -112,19 +112,19 @@ def test_floor_tolerates_float_rounding() -> None:
     """0.29 * 100 / 1 = 28.999999999999996 in floating point; E D_i / B = 29 exactly must give 29 steps."""
     s = FedNova(TrainSettings(local_steps=5, lr=0.1, batch_size=1), {"epochs": 0.29})
     set_up(s, 3, {"a": 100})
-    assert s.assign(1, "a").local_steps == 29
+    assert s.assign(1, "a").steps == 29
 
 
 def test_fixed_mode_gives_everyone_the_run_default() -> None:
     s = FedNova(SETTINGS, {"local_steps_mode": "fixed"})
     set_up(s, 3, {"a": 100, "b": 3})
-    assert [s.assign(1, c).local_steps for c in ("a", "b")] == [5, 5]
+    assert [s.assign(1, c).steps for c in ("a", "b")] == [5, 5]
 
 
 def test_rejects_update_without_steps() -> None:
     s = FedNova(SETTINGS)
     set_up(s, 3, {"a": 10})
-    told = s.assign(1, "a").local_steps
+    told = s.assign(1, "a").steps
     admit(s, upd("a", np.zeros(3), 10, 1), assigned_steps=told)
     with pytest.raises(WrongSteps, match="claims 0 local steps"):
         admit(s, upd("a", np.zeros(3), 10, 0), assigned_steps=told)

@@ -7,7 +7,6 @@ from the (possibly fused) start point, the server average in plain numpy.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ from edge_client.algorithms.fedumf import FedUmfClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Update
+from edge_client.messages import Assignment, RoundFacts, Update
 from server.strategies.base import TrainSettings
 from server.strategies.fedumf import FedUmf
 
@@ -218,15 +217,15 @@ def test_assignments_carry_fusion_and_optimiser_parameters_with_the_lr_schedule(
     assert three.lr == pytest.approx(0.1 * 0.9**2) and three.settings["lr_prev"] == pytest.approx(0.09)
     assert three.settings == {"alpha": 0.5, "lr_prev": pytest.approx(0.09)}
     assert three.momentum == 0.5 and three.weight_decay == 5e-4  # the run's optimiser (train.momentum/weight_decay)
-    assert three.local_steps == 5  # local_unit "steps": the run's local_steps
+    assert three.steps == 5  # local_unit "steps": the run's local_steps
 
 
 def test_epochs_unit_gives_ceil_samples_over_batch_times_epochs() -> None:
     s = strategy(local_unit="epochs", epochs=2)
     s.ctx.clients.update({"a": 130, "b": 100})
-    assert s.assign(1, "a").local_steps == math.ceil(130 / 50) * 2
-    assert s.assign(1, "b").local_steps == 2 * 2
-    assert s.assign(1, "unknown").local_steps == 5
+    assert s.assign(1, "a").steps == math.ceil(130 / 50) * 2
+    assert s.assign(1, "b").steps == 2 * 2
+    assert s.assign(1, "unknown").steps == 5
 
 
 def update(cid: str, delta: np.ndarray, samples: int) -> Update:
@@ -286,8 +285,9 @@ def test_in_process_rounds_fuse_exactly_the_newly_selected_clients() -> None:
         selected = s.select(t, available)
         updates = []
         for cid in [*selected, *s.train_only(t, available, selected)]:
-            told = s.assign(t, cid)  # completed as the orchestrator does
-            a = replace(told, round=t, model_version=t - 1, algorithm="fedumf", weights=w, upload=cid in selected)
+            told = s.assign(t, cid)  # sent with the round's facts as the orchestrator does
+            told.weights = w
+            a = Assignment(told, RoundFacts(round=t, model_version=t - 1, algorithm="fedumf", upload=cid in selected))
             dev = devices[cid]
             result = train_assignment(dev.flat, dev.data, dev.sampler, a, dev.client)
             should_fuse = cid in selected and cid not in previous and t > 1

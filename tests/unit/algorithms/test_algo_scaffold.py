@@ -17,9 +17,8 @@ from edge_client.compression import Uplink
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
 from edge_client.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
-from edge_client.trainer import plan_for
 from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.scaffold import Scaffold
@@ -42,7 +41,7 @@ def scaffold_assignment(
 def run_client(client, start: np.ndarray, steps: int, c: np.ndarray, alpha: float = 1.0, cid: str = "c0", **kw: int):
     task = scaffold_assignment(start, steps, c, alpha, **kw)
     if isinstance(client, FedAvgClient):  # the same round for FedAvg, whose contract sends nothing else
-        task.settings, task.arrays = {}, {}
+        task.plan.settings, task.plan.arrays = {}, {}
     return train_toy(client, task, dataset(seed=len(cid) * 7 + ord(cid[-1])), cid)
 
 
@@ -81,7 +80,7 @@ def test_alpha_is_read_every_round() -> None:
         np.testing.assert_allclose(start - result.delta, manual_sgd(start, 4, alpha * (c - c_i)), atol=1e-5)
     with pytest.raises(ContractError, match=r"scaffold.alpha: missing from the assignment"):
         a = scaffold_assignment(start, 2, c)
-        a.settings = {}
+        a.plan.settings = {}
         train_toy(ScaffoldClient(), a, dataset())
 
 
@@ -91,9 +90,9 @@ def drive_hooks(client: ScaffoldClient, start: np.ndarray, told: int, taken: int
     flat.load(start)
     data = dataset()
     sampler = BatchSampler(len(data), BATCH, 0, "c0")
-    ctx = LocalContext(
-        flat, flat.params.clone(), plan_for(scaffold_assignment(start, told, c), client, flat.size), data, sampler
-    )
+    a = scaffold_assignment(start, told, c)
+    client.contract.check_plan(a.plan, flat.size)
+    ctx = LocalContext(flat, flat.params.clone(), a.plan, a.facts, data, sampler)
     client.begin_round(ctx)
     for step in range(taken):
         idx = sampler.next()
@@ -196,7 +195,7 @@ def test_server_c_equals_mean_of_all_c_i_under_partial_participation(c_mean_over
         ups = []
         for k in chosen:
             told = server.assign(round_, k)
-            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], told.settings["alpha"], cid=k)
+            r = run_client(clients[k], w, told.steps, told.arrays["c"], told.settings["alpha"], cid=k)
             ups.append(update(k, r.delta, r.arrays["delta_c"]))
         w = server.aggregate(round_, w, ups)
         np.testing.assert_allclose(server.c, mean_c_i(server, clients), atol=1e-5)
@@ -287,7 +286,7 @@ def test_server_c_stays_the_mean_of_the_c_i_when_updates_are_lost(c_mean_over: s
         ups = []
         for k in ids:
             told = server.assign(round_, k)
-            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
+            r = run_client(clients[k], w, told.steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
             if k not in dropped:
                 ups.append(update(k, r.delta, r.arrays["delta_c"]))
         w = server.aggregate(round_, w, ups)
@@ -314,10 +313,9 @@ def test_server_c_stays_the_mean_of_the_c_i_with_compressed_uploads(codec: str) 
     for round_ in range(1, 5):
         ups = []
         for k in ids:
-            told = server.assign(round_, k)
-            told.round, told.codec = round_, codec
-            r = run_client(clients[k], w, told.local_steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
-            delta, arrays = uplinks[k].encode(told, clients[k], r.delta, r.arrays)
+            told, facts = server.assign(round_, k), RoundFacts(round=round_, codec=codec)
+            r = run_client(clients[k], w, told.steps, told.arrays["c"], cid=k, round_=round_, **told.settings)
+            delta, arrays = uplinks[k].encode(facts, clients[k], r.delta, r.arrays)
             received = decode(encode(Update(round_, 0, k, 1, 5, 0.0, 0.0, 0.0, delta, arrays=arrays)))  # a frame
             assert isinstance(received, Update)
             lossy += not np.array_equal(received.arrays["delta_c"], r.arrays["delta_c"])

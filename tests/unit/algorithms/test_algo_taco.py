@@ -23,9 +23,10 @@ from edge_client.algorithms.taco import TacoClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
+from edge_client.messages import Assignment, RoundFacts, Update
+from edge_client.plan import Plan
 from edge_client.runtime import TrainFn
-from edge_client.trainer import Plan, TrainResult
+from edge_client.trainer import TrainResult
 from server.experiments.attacks import freeloader
 from server.report import summarize
 from server.strategies.base import TrainSettings
@@ -198,12 +199,13 @@ def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
     deltas = [(base + rng.normal(scale=0.7, size=6)).astype(np.float32) for _ in range(4)]
     s = strategy()
     first = s.assign(1, "c0")
-    assert first.alpha == pytest.approx(0.1)  # alpha_i^0
+    assert first.settings["alpha_i"] == pytest.approx(0.1)  # alpha_i^0
     # gamma = 0 means 1/K, which the device takes from its plan (eta_g = K eta_l likewise)
     assert first.settings == {
         "gamma": 0.0,
         "correction": "accumulated",
         "tailored_correction": True,
+        "alpha_i": first.settings["alpha_i"],
     } and s.gamma == pytest.approx(1 / K)
     assert "global_delta" not in first.arrays  # Delta_0 = 0
 
@@ -214,7 +216,7 @@ def test_aggregation_is_alpha_weighted_and_alpha_travels_next_round() -> None:
     uniform = w - np.mean(deltas, axis=0)
     assert np.abs(new - uniform).max() > 1e-3
     for i in range(4):
-        assert s.assign(2, f"c{i}").alpha == pytest.approx(alphas[i], rel=1e-6)
+        assert s.assign(2, f"c{i}").settings["alpha_i"] == pytest.approx(alphas[i], rel=1e-6)
     metrics = s.round_metrics()
     assert set(metrics) == {"alpha", "smoothed_alpha", "strikes", "expelled"}
     assert metrics["alpha"]["c2"] == pytest.approx(alphas[2], rel=1e-6)
@@ -396,7 +398,7 @@ def freeload(train: TrainFn, weights: np.ndarray) -> TrainResult:
     """One round of a freeloading client given ``weights``, on a model it never touches."""
     flat, data = tiny()
     before = flat.numpy().copy()
-    result = train(flat, weights, data, BatchSampler(len(data), 4, 0, "f"), Plan(K, LR, 4), TacoClient())
+    result = train(flat, weights, data, BatchSampler(len(data), 4, 0, "f"), Plan(K, LR, 4), TacoClient(), RoundFacts())
     np.testing.assert_array_equal(flat.numpy(), before)  # no training at all
     assert result.local_steps == K  # claims the steps it was told
     return result
@@ -522,7 +524,8 @@ def test_server_state_round_trip_through_json() -> None:
     np.testing.assert_array_equal(restored.outputs(w1)["z"], s.outputs(w1)["z"])
     for c in ("a", "new"):
         i1, i2 = s.assign(2, c), restored.assign(2, c)
-        assert i1.alpha == i2.alpha and i1.settings == i2.settings and sorted(i1.arrays) == sorted(i2.arrays)
+        assert i1.settings["alpha_i"] == i2.settings["alpha_i"] and i1.settings == i2.settings
+        assert sorted(i1.arrays) == sorted(i2.arrays)
     ups2 = [upd(c, rng.normal(size=5) + 1.0, 2) for c in "abc"]
     np.testing.assert_array_equal(restored.aggregate(2, w1, ups2), s.aggregate(2, w1, ups2))
     assert restored.strikes == s.strikes and restored.excluded() == s.excluded()
@@ -538,17 +541,12 @@ def assignment(
     params: dict[str, object] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
 ) -> Assignment:
-    return messages.assignment(
-        np.asarray(weights, dtype=np.float32),
-        K,
-        LR,
-        round=version + 1,
-        model_version=version,
-        algorithm="taco",
-        alpha=alpha,
-        settings={"gamma": 0.5, "correction": "per_step", "tailored_correction": True, **(params or {})},
-        arrays=arrays or {},
-    )
+    settings = {"gamma": 0.5, "correction": "per_step", "tailored_correction": True, **(params or {})}
+    if alpha is not None:
+        settings["alpha_i"] = alpha
+    weights = np.asarray(weights, dtype=np.float32)
+    facts = {"round": version + 1, "model_version": version, "algorithm": "taco"}
+    return messages.assignment(weights, K, LR, settings=settings, arrays=arrays or {}, **facts)
 
 
 def tiny() -> tuple[FlatModel, ArrayDataset]:
@@ -557,7 +555,7 @@ def tiny() -> tuple[FlatModel, ArrayDataset]:
 
 def run(algorithm: ClientAlgorithm, a: Assignment) -> np.ndarray:
     if type(algorithm) is FedAvgClient:  # the same round without TACO's part of the assignment
-        a = replace(a, alpha=None, settings={}, arrays={})
+        a = Assignment(replace(a.plan, settings={}, arrays={}), a.facts)
     return kit.train_toy(algorithm, a, kit.toy_data(16, seed=1)).delta
 
 
@@ -583,8 +581,11 @@ def test_client_correction_is_eq8_with_a_sent_global_delta() -> None:
     # gamma = 0: 1/K with K the plan's steps (the paper's experiments, 2.7 (f)10)
     got = run(TacoClient(), assignment(W_CUR, 3, alpha=0.2, params={"gamma": 0.0}, arrays={"global_delta": gd}))
     np.testing.assert_allclose(got, manual(W_CUR, (1 / K) * (1 - 0.2) * gd / ETA_G), atol=1e-5)
-    with pytest.raises(ContractError, match=r"taco.alpha: missing from the assignment"):
+    with pytest.raises(ContractError, match=r"taco.alpha_i: missing from the assignment"):
         run(TacoClient(), assignment(W_CUR, 3, alpha=None))
+    for bad in ("0.5", 1.5, -0.1, float("nan")):  # a per-round value of the contract, bounded like FedVeca's P
+        with pytest.raises(ContractError, match=r"taco.alpha_i = .*: expected a finite number \[0, 1\]"):
+            run(TacoClient(), assignment(W_CUR, 3, alpha=bad))  # type: ignore[arg-type]
 
 
 def test_accumulated_correction_on_hand_made_vectors() -> None:
@@ -663,11 +664,13 @@ def test_server_and_client_agree_on_delta_over_rounds() -> None:
     w = W_PREV.copy()
     for r in (1, 2, 3):
         version = r - 1
-        a = replace(s.assign(r, "a"), round=r, model_version=version, algorithm="taco", weights=w)
-        forced = dict(a.arrays)
+        plan = s.assign(r, "a")
+        plan.weights = w
+        a = Assignment(plan, RoundFacts(round=r, model_version=version, algorithm="taco"))
+        forced = dict(plan.arrays)
         if s.last_step is not None:
             forced["global_delta"] = s.last_step
-        b = replace(a, arrays=forced)
+        b = Assignment(replace(plan, arrays=forced), a.facts)
         da, db = run(deriving, a), run(told, b)
         np.testing.assert_allclose(da, db, atol=1e-5)
         other = (da + np.float32(0.3)).astype(np.float32)

@@ -7,8 +7,6 @@ uploads); the device applies fedprox-taco's ``zeta (1 - alpha_i)`` and scaffold-
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from edgefl_testkit.algorithms import set_up, toy_data, train_toy
@@ -20,8 +18,9 @@ from edge_client.algorithms.fedprox_taco import FedProxTacoClient
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.contract import ContractError
-from edge_client.messages import Assignment, GlobalModel, Update
+from edge_client.messages import Assignment, GlobalModel, RoundFacts, Update
 from edge_client.models_cache import ModelCache
+from edge_client.plan import Plan
 from edge_client.protocol import decode, encode
 from server.strategies.base import TrainSettings
 from server.strategies.fedprox import FedProx
@@ -58,15 +57,17 @@ def make_updates(round_: int, seed: int) -> list[Update]:
     return out
 
 
-def on_the_wire(told: Assignment, weights: np.ndarray, algorithm: str) -> Assignment:
-    """A strategy's assignment -> what a device decodes (completed as the orchestrator completes it; the model goes
-    in the round's broadcast, the assignment names it)."""
-    a = replace(told, round=1, deadline_s=60.0, algorithm=algorithm, weights=weights)
+def on_the_wire(told: Plan, weights: np.ndarray, algorithm: str) -> Plan:
+    """A strategy's plan -> what a device decodes and trains (sent with the round's facts as the orchestrator sends
+    it; the model goes in the round's broadcast, the assignment names it)."""
+    told.weights = weights
+    a = Assignment(told, RoundFacts(round=1, deadline_s=60.0, algorithm=algorithm))
     model, slim = (decode(encode(m)) for m in as_sent(a))
     assert isinstance(model, GlobalModel) and isinstance(slim, Assignment)
     cache = ModelCache()
     assert cache.add(model)
-    return cache.complete(slim)
+    cache.complete(slim)
+    return slim.plan
 
 
 def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
@@ -75,7 +76,7 @@ def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
     set_up(s, D)
     w = np.zeros(D, np.float32)
     first = on_the_wire(s.assign(1, "c0"), w, s.name)
-    assert first.alpha == pytest.approx(0.1) and first.settings == {"zeta": 0.2}  # alpha^0: alpha_init
+    assert first.settings.pop("alpha_i") == pytest.approx(0.1) and first.settings == {"zeta": 0.2}  # alpha_init
 
     ups = make_updates(1, seed=0)
     new = s.aggregate(1, w, ups)
@@ -84,19 +85,22 @@ def test_fedprox_taco_sends_zeta_and_alpha_i() -> None:
     assert len(set(np.round(alphas, 4))) == 4 and alphas.max() > 0.2  # distinct, non-trivial per-client values
     for u, a in zip(ups, alphas, strict=True):
         wire = on_the_wire(s.assign(2, u.client_id), new, s.name)
-        assert wire.alpha == pytest.approx(a, rel=1e-6) and wire.settings == {"zeta": 0.2}
+        assert wire.settings.pop("alpha_i") == pytest.approx(a, rel=1e-6) and wire.settings == {"zeta": 0.2}
     assert s.round_metrics()["alpha"]["c1"] == pytest.approx(alphas[1], rel=1e-6)
 
     # round 2 with only two reporters: they get new alphas, the others keep theirs (2.7 (f)12)
     ups2 = make_updates(2, seed=1)[:2]
     s.aggregate(2, new, ups2)
     alphas2 = ref_alphas([u.delta for u in ups2])
-    assert s.assign(3, "c0").alpha == pytest.approx(alphas2[0], rel=1e-6)
-    assert s.assign(3, "c3").alpha == pytest.approx(alphas[3], rel=1e-6)
+    assert s.assign(3, "c0").settings["alpha_i"] == pytest.approx(alphas2[0], rel=1e-6)
+    assert s.assign(3, "c3").settings["alpha_i"] == pytest.approx(alphas[3], rel=1e-6)
 
     restored = FedProxTaco(SETTINGS, {"zeta": 0.2})
     restored.load_state_dict(s.state_dict())
-    assert all(restored.assign(3, c).alpha == s.assign(3, c).alpha for c in ("c0", "c1", "c2", "c3", "new"))
+    assert all(
+        restored.assign(3, c).settings["alpha_i"] == s.assign(3, c).settings["alpha_i"]
+        for c in ("c0", "c1", "c2", "c3", "new")
+    )
 
 
 def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
@@ -105,7 +109,7 @@ def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
     set_up(s, D, CLIENTS)
     w = np.zeros(D, np.float32)
     first = on_the_wire(s.assign(1, "c0"), w, s.name)
-    assert first.alpha == pytest.approx(0.1) and first.settings["alpha"] == 1.0  # alpha_i^0, SCAFFOLD's alpha
+    assert first.settings["alpha_i"] == pytest.approx(0.1) and first.settings["alpha"] == 1.0  # alpha_i^0, SCAFFOLD's
 
     ups = make_updates(1, seed=2)
     plain = Scaffold(SETTINGS)
@@ -116,18 +120,20 @@ def test_scaffold_taco_sends_alpha_and_alpha_i() -> None:
     alphas = ref_alphas([u.delta for u in ups])
     for u, a in zip(ups, alphas, strict=True):
         wire = on_the_wire(s.assign(2, u.client_id), new, s.name)
-        assert wire.alpha == pytest.approx(a, rel=1e-6) and wire.settings["alpha"] == 1.0
+        assert wire.settings["alpha_i"] == pytest.approx(a, rel=1e-6) and wire.settings["alpha"] == 1.0
         np.testing.assert_array_equal(wire.arrays["c"], s.c)
 
     half = ScaffoldTaco(SETTINGS, {"alpha": 0.5})  # SCAFFOLD's alpha stays a multiplier (the device's)
     set_up(half, D)
     half.aggregate(1, w, ups)
     told = half.assign(2, "c2")
-    assert told.settings["alpha"] == 0.5 and told.alpha == pytest.approx(alphas[2], rel=1e-6)
+    assert told.settings["alpha"] == 0.5 and told.settings["alpha_i"] == pytest.approx(alphas[2], rel=1e-6)
 
     restored = ScaffoldTaco(SETTINGS)
     restored.load_state_dict(s.state_dict())
-    assert all(restored.assign(2, c).alpha == s.assign(2, c).alpha for c in ("c0", "c3", "new"))
+    assert all(
+        restored.assign(2, c).settings["alpha_i"] == s.assign(2, c).settings["alpha_i"] for c in ("c0", "c3", "new")
+    )
     np.testing.assert_array_equal(restored.c, s.c)
 
 
@@ -139,28 +145,29 @@ def test_variants_take_the_previous_global_update_as_reference(variant: type) ->
     set_up(s, D, CLIENTS)
     w0 = np.zeros(D, np.float32)
     w1 = s.aggregate(1, w0, make_updates(1, seed=3))
-    assert all(s.assign(2, f"c{i}").alpha == 0.0 for i in range(4))  # round 0: no reference, alpha 0
+    assert all(s.assign(2, f"c{i}").settings["alpha_i"] == 0.0 for i in range(4))  # round 0: no reference, alpha 0
     ups = make_updates(2, seed=4)
     w2 = s.aggregate(2, w1, ups)
     alphas = ref_alphas([u.delta for u in ups], w0 - w1)  # against the update the clients were sent
     assert np.abs(alphas - ref_alphas([u.delta for u in ups])).max() > 1e-3 and alphas.max() > 0.2
     for u, a in zip(ups, alphas, strict=True):
-        assert s.assign(3, u.client_id).alpha == pytest.approx(a, rel=1e-5)
+        assert s.assign(3, u.client_id).settings["alpha_i"] == pytest.approx(a, rel=1e-5)
     restored = variant(SETTINGS, {"alpha_reference": "previous_global"})
     set_up(restored, D, CLIENTS)
     restored.load_state_dict(s.state_dict())
     ups3 = make_updates(3, seed=5)
     np.testing.assert_array_equal(s.aggregate(3, w2, ups3), restored.aggregate(3, w2, ups3))
     for u, a in zip(ups3, ref_alphas([u.delta for u in ups3], w1 - w2), strict=True):
-        assert restored.assign(4, u.client_id).alpha == s.assign(4, u.client_id).alpha
-        assert s.assign(4, u.client_id).alpha == pytest.approx(a, rel=1e-5)
+        assert restored.assign(4, u.client_id).settings["alpha_i"] == s.assign(4, u.client_id).settings["alpha_i"]
+        assert s.assign(4, u.client_id).settings["alpha_i"] == pytest.approx(a, rel=1e-5)
 
 
 def tiny_run(
     algorithm: object, params: dict[str, float], arrays: dict[str, np.ndarray], alpha: float | None = None
 ) -> np.ndarray:
     w = np.linspace(-0.5, 0.5, 8).astype(np.float32)
-    a = assignment(w, 3, 0.1, alpha=alpha, settings=params, arrays=arrays, round=1)
+    settings = params if alpha is None else {**params, "alpha_i": alpha}
+    a = assignment(w, 3, 0.1, settings=settings, arrays=arrays, round=1)
     return train_toy(algorithm, a, toy_data(16, seed=1), "c").delta  # type: ignore[arg-type]
 
 
@@ -174,11 +181,11 @@ def test_client_variants_are_the_base_clients_with_the_tailored_coefficient() ->
     )
     assert np.abs(prox - tiny_run(FedProxTacoClient(), {"zeta": 0.0}, {}, alpha=0.25)).max() > 0  # reads zeta
     assert np.abs(prox - tiny_run(FedProxTacoClient(), {"zeta": 0.3}, {}, alpha=0.9)).max() > 0  # reads alpha_i
-    with pytest.raises(ContractError, match=r"fedprox-taco.alpha: missing from the assignment"):
+    with pytest.raises(ContractError, match=r"fedprox-taco.alpha_i: missing from the assignment"):
         tiny_run(FedProxTacoClient(), {"zeta": 0.3}, {})
     c = {"c": np.full(8, 0.5, np.float32)}
     sc = tiny_run(ScaffoldTacoClient(), {"alpha": 0.7}, c, alpha=0.4)
     np.testing.assert_array_equal(sc, tiny_run(ScaffoldClient(), {"alpha": 0.7 * (1 - 0.4)}, c))
     assert np.abs(sc - tiny_run(ScaffoldTacoClient(), {"alpha": 0.1}, c, alpha=0.4)).max() > 1e-3
-    with pytest.raises(ContractError, match=r"scaffold-taco.alpha: missing from the assignment"):
+    with pytest.raises(ContractError, match=r"scaffold-taco.alpha_i: missing from the assignment"):
         tiny_run(ScaffoldTacoClient(), {"alpha": 0.7}, c)

@@ -76,9 +76,9 @@ def test_restarted_client_remembers_the_newest_round_it_served(tmp_path: Path) -
     data = ArrayDataset(rng.normal(size=(16, 64)).astype(np.float32), rng.integers(0, 10, 16))
     trained: list[int] = []
 
-    def counting(flat, weights, dataset, sampler, plan, algorithm):
-        trained.append(plan.round)
-        return train_local(flat, weights, dataset, sampler, plan, algorithm)
+    def counting(flat, weights, dataset, sampler, plan, algorithm, facts):
+        trained.append(facts.round)
+        return train_local(flat, weights, dataset, sampler, plan, algorithm, facts)
 
     def device() -> EdgeClient:
         bus = LocalBus()

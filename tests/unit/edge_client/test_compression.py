@@ -5,6 +5,7 @@ hash to its digest."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,16 @@ from edge_client.messages import (
     ModelRequest,
     Presence,
     Resync,
+    RoundFacts,
     Update,
 )
 from edge_client.models import build_model, num_params
 from edge_client.models_cache import ModelCache
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
-from edge_client.trainer import Plan, TrainResult
+from edge_client.trainer import TrainResult
 from server.distribution import Distribution
 from server.downlink import Downlink
 from server.experiments.inprocess import LocalBus, LocalLink
@@ -51,7 +54,14 @@ class Scripted:
         self.started_from: list[np.ndarray] = []
 
     def __call__(
-        self, flat: FlatModel, weights: np.ndarray, data: ArrayDataset, s: BatchSampler, plan: Plan, a: ClientAlgorithm
+        self,
+        flat: FlatModel,
+        weights: np.ndarray,
+        data: ArrayDataset,
+        s: BatchSampler,
+        plan: Plan,
+        a: ClientAlgorithm,
+        facts: RoundFacts,
     ) -> TrainResult:
         self.started_from.append(np.array(weights))
         return TrainResult(self.deltas.pop(0), plan.steps, 0.01, 0.01, 0.5)
@@ -91,9 +101,11 @@ class Device:
     def serve(self, a: Assignment) -> Message:
         """Send ``a`` with its model, let the device handle it, answer its request for the model if it asks; return
         what it answered (its update or failure)."""
-        if a.run_id != self.run:
-            self.announce(a.run_id)
-        self.distribution.send(a.round, a.model_version, {CID: a})
+        f = a.facts
+        if f.run_id != self.run:
+            self.announce(f.run_id)
+        sha = self.distribution.publish(f.round, f.model_version, a.plan.weights, {CID: a.plan}, f.run_id)
+        self.distribution.send({CID: a.plan}, {CID: replace(f, sha256=sha)})
         return self.answer()
 
     def answer(self) -> Message:
@@ -212,7 +224,7 @@ def test_a_model_that_does_not_hash_to_its_digest_is_never_trained_on(tmp_path: 
     wrong = "0" * 64  # a difference announced to rebuild a model it does not rebuild: the device asks instead
     bad = GlobalModel(2, 1, wrong, C.decode(diff), diff_base=held.sha256, run_id="run-a")
     device.server.publish(TOPICS.round_model_frame(0), encode(bad), retain=True)
-    device.server.publish(TOPICS.down(CID), encode(assignment(2, weights=None, model_sha256=wrong)))
+    device.server.publish(TOPICS.down(CID), encode(assignment(2, weights=None, sha256=wrong)))
     assert device.bus.run_next_client()
     request = device.receive()
     assert isinstance(request, ModelRequest) and request.sha256 == wrong

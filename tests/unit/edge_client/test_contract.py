@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.messages import assignment
 
 from edge_client.algorithms import CLIENT_ALGORITHMS, CONTRACTS, client_algorithm
 from edge_client.contract import ContractError, Setting, checked_norm, settings_markdown, vector_norm
 from edge_client.data import ArrayDataset
-from edge_client.messages import Assignment
-from edge_client.trainer import plan_for
+from edge_client.plan import Plan
 from server.cli import main as server_main
 from server.config import ConfigError, from_dict
 from server.strategies import STRATEGIES, ServerContext, TrainSettings, make_strategy
@@ -78,53 +77,56 @@ def test_docs_table_is_the_contracts() -> None:
     assert settings_markdown(CONTRACTS.values()) in (REPO / "docs" / "algorithms.md").read_text()
 
 
-def full_assignment(algorithm: str, size: int) -> Assignment:
+def full_plan(algorithm: str, size: int) -> Plan:
     """What a server would send: the contract's device settings and per-round values, and every array."""
     contract = CONTRACTS[algorithm]
     arrays = {a.name: np.zeros(size, np.float32) for a in contract.sends}
-    alpha = 0.3 if contract.uses_alpha else None
-    return assignment(np.zeros(size, np.float32), 2, alpha=alpha, settings=contract.example_sent(), arrays=arrays)
+    return Plan(2, 0.1, 4, contract.example_sent(), arrays, weights=np.zeros(size, np.float32))
 
 
 @pytest.mark.parametrize("algorithm", sorted(CONTRACTS))
 def test_device_refuses_what_its_contract_does_not_allow(algorithm: str) -> None:
     contract, size = CONTRACTS[algorithm], 6
-    client = client_algorithm(algorithm)
-    a = full_assignment(algorithm, size)
-    plan = plan_for(a, client, size)
-    assert plan.settings == a.settings and plan.alpha == a.alpha
+    a = full_plan(algorithm, size)
+    sent = dict(a.settings)
+
+    def check(plan: Plan) -> Plan:
+        client_algorithm(algorithm).contract.check_plan(plan, size)
+        return plan
+
+    assert check(replace(a)).settings == sent
     for s in (s for s in contract.all_settings if s.device):  # missing or out of range: one shape of error
         missing = {k: v for k, v in a.settings.items() if k != s.name}
         with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.{s.name}: missing from the assignment"):
-            plan_for(Assignment(**{**vars(a), "settings": missing}), client, size)
+            check(replace(a, settings=missing))
         bad = {**a.settings, s.name: bad_value(s)}
         with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.{s.name} = .*: expected "):
-            plan_for(Assignment(**{**vars(a), "settings": bad}), client, size)
+            check(replace(a, settings=bad))
     undeclared = {**a.settings, "undeclared": 1.0}
     with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.undeclared: "):
-        plan_for(Assignment(**{**vars(a), "settings": undeclared}), client, size)
+        check(replace(a, settings=undeclared))
     with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.stray: "):
-        plan_for(Assignment(**{**vars(a), "arrays": {**a.arrays, "stray": np.zeros(size, np.float32)}}), client, size)
+        check(replace(a, arrays={**a.arrays, "stray": np.zeros(size, np.float32)}))
     for arr in contract.sends:
         wrong = {**a.arrays, arr.name: np.zeros(size + 1, np.float32)}
         with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.{arr.name}: expected shape"):
-            plan_for(Assignment(**{**vars(a), "arrays": wrong}), client, size)
-    if contract.uses_alpha:
-        with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.alpha: missing"):
-            plan_for(Assignment(**{**vars(a), "alpha": None}), client, size)
+            check(replace(a, arrays=wrong))
+    for v in (v for v in contract.sends_values if v.required):  # per-round values: TACO's alpha_i, FedVeca's P
+        without = {k: x for k, x in a.settings.items() if k != v.name}
+        with pytest.raises(ContractError, match=rf"^{re.escape(algorithm)}\.{v.name}: missing"):
+            check(replace(a, settings=without))
 
 
 @pytest.mark.parametrize("algorithm", sorted(CONTRACTS))
 def test_server_sends_exactly_what_the_contract_declares(algorithm: str) -> None:
-    """An assignment made by the server half passes the device's check, for every algorithm."""
+    """A plan made by the server half passes the device's check, for every algorithm."""
     strategy = make_strategy(algorithm, TrainSettings(3, 0.1, 4), {}, rounds=5)
     root = ArrayDataset(np.zeros((8, 5), np.float32), np.zeros(8, np.int64))
     spec = {"name": "mlp", "in_features": 5, "num_classes": 2, "hidden": []}
     strategy.setup(ServerContext(spec, 12, {"c0": 10}, root))
     size = 12
-    a = strategy.assign(1, "c0")
-    a.weights = np.zeros(size, np.float32) if a.weights is None else a.weights
-    plan = plan_for(a, client_algorithm(algorithm), size)
+    plan = strategy.assign(1, "c0")
+    client_algorithm(algorithm).contract.check_plan(plan, size)
     assert set(plan.settings) >= {s.name for s in CONTRACTS[algorithm].all_settings if s.device}
     assert all(math.isfinite(float(v)) for v in plan.settings.values() if isinstance(v, int | float))
 

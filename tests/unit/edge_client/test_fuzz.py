@@ -28,6 +28,8 @@ from edge_client import codecs as C
 from edge_client import messages as M
 from edge_client import protocol as P
 from edge_client.chunking import Reassembler, split
+from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 
 EXAMPLES = 500  # per test: eight tests, about 4,000 hostile inputs (plus every prefix of eleven frames)
 FUZZ = settings(
@@ -60,23 +62,28 @@ run_ids = st.text("abz019_.:-", max_size=12)
 hellos = st.builds(M.Hello, ids, nonneg, maps)
 assignments = st.builds(
     M.Assignment,
-    round=nonneg,
-    model_version=nonneg,
-    local_steps=st.integers(1, 10**6),
-    lr=st.floats(1e-9, 10.0),
-    batch_size=st.integers(1, 4096),
-    deadline_s=st.floats(1e-3, 1e6),
-    algorithm=text,
-    model=maps,
-    alpha=st.none() | finite,
-    settings=maps,
+    plan=st.builds(
+        Plan,
+        steps=st.integers(1, 10**6),
+        lr=st.floats(1e-9, 10.0),
+        batch_size=st.integers(1, 4096),
+        settings=maps,  # the contract's settings and per-round values (TACO's alpha_i among them)
+        momentum=st.floats(0.0, 0.99),
+        weight_decay=st.floats(0.0, 1.0),
+    ),
+    facts=st.builds(
+        M.RoundFacts,
+        round=nonneg,
+        model_version=nonneg,
+        sha256=digests,
+        deadline_s=st.floats(1e-3, 1e6),
+        upload=st.booleans(),
+        run_id=run_ids,
+        algorithm=text,
+        model=maps,
+        seed=nonneg,
+    ),
     arrays=extra_arrays,
-    momentum=st.floats(0.0, 0.99),
-    weight_decay=st.floats(0.0, 1.0),
-    upload=st.booleans(),
-    seed=nonneg,
-    run_id=run_ids,
-    model_sha256=digests,
     global_arrays=st.lists(st.text(min_size=1, max_size=4), max_size=3, unique=True),
 )
 updates = st.builds(
@@ -206,20 +213,9 @@ def test_every_truncation_of_each_message_type() -> None:
     examples = [
         M.Hello("pi-01", 600, {"machine": "aarch64"}),
         M.Assignment(
-            local_steps=5,
-            lr=0.1,
-            batch_size=32,
-            alpha=0.5,
-            settings={"gamma": 0.5},
+            Plan(5, 0.1, 32, settings={"gamma": 0.5, "alpha_i": 0.5}, momentum=0.5, weight_decay=5e-4),
+            RoundFacts(round=1, deadline_s=30.0, algorithm="taco", model={"name": "mlp"}, run_id="r1", sha256="0" * 64),
             arrays={"c": vec},
-            momentum=0.5,
-            weight_decay=5e-4,
-            round=1,
-            deadline_s=30.0,
-            algorithm="taco",
-            model={"name": "mlp"},
-            run_id="r1",
-            model_sha256="0" * 64,
             global_arrays=["c_global"],
         ),
         M.Update(1, 0, "pi-01", 600, 5, 1.0, 2.0, 0.7, vec, {"t": 1}, {"b": 0.1}, {"dc": vec}, run_id="r1"),

@@ -18,33 +18,34 @@ from hypothesis import strategies as st
 from edge_client import codecs
 from edge_client import messages as M
 from edge_client import protocol as P
+from edge_client.plan import Plan
 
 V = P.PROTOCOL_VERSION
 
 
-def _assignment(**kw: Any) -> M.Assignment:
-    args: dict[str, Any] = dict(
-        round=3,
-        model_version=2,
-        local_steps=5,
+def _assignment(settings: dict[str, Any] | None = None, arrays: dict[str, np.ndarray] | None = None) -> M.Assignment:
+    plan = Plan(
+        steps=5,
         lr=0.05,
         batch_size=32,
-        deadline_s=30.0,
-        algorithm="taco",
-        model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
-        alpha=0.5,
-        settings={"beta": 0.9, "flag": True, "mode": "x"},
-        arrays={"c": np.full(10, 0.25, np.float32), "c_i": np.ones(10, np.float32)},
-        model_sha256="ab" * 32,
-        global_arrays=["c_global"],
+        settings={"beta": 0.9, "flag": True, "mode": "x", "alpha_i": 0.5} if settings is None else settings,
         momentum=0.5,
         weight_decay=5e-4,
-        upload=False,
-        seed=7,
-        run_id="3f2a9c1b7d4e",
     )
-    args.update(kw)
-    return M.Assignment(**args)
+    facts = M.RoundFacts(
+        round=3,
+        model_version=2,
+        sha256="ab" * 32,
+        deadline_s=30.0,
+        upload=False,
+        run_id="3f2a9c1b7d4e",
+        algorithm="taco",
+        model={"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28},
+        seed=7,
+    )
+    if arrays is None:
+        arrays = {"c": np.full(10, 0.25, np.float32), "c_i": np.ones(10, np.float32)}
+    return M.Assignment(plan, facts, arrays=arrays, global_arrays=["c_global"])
 
 
 def _update(**kw: Any) -> M.Update:
@@ -83,7 +84,7 @@ def _edit(payload: bytes | bytearray, fn: Callable[[dict[str, Any]], Any], tail:
 
 MESSAGES = [
     _assignment(),
-    _assignment(arrays={}, alpha=None, settings={}),
+    _assignment(arrays={}, settings={}),
     _update(),
     _update(arrays={}, metrics={}, extras={}),
     M.Hello("pi-01", 600, {"hostname": "pi", "machine": "aarch64", "cpu_count": 4}),
@@ -208,7 +209,8 @@ def test_missing_fields() -> None:
     _reject(_edit(GOOD, lambda h: h.update(a=[]), tail=b""), P.MissingField, "update: missing field 'delta'")
     model = P.encode(_global_model(arrays={}))
     _reject(_edit(model, lambda h: h.update(a=[]), tail=b""), P.MissingField, "global_model: missing field 'weights'")
-    _reject(_edit(P.encode(_assignment()), lambda h: h["f"].pop("sha256")), P.MissingField, "'sha256'")
+    _reject(_edit(P.encode(_assignment()), lambda h: h["f"]["facts"].pop("sha256")), P.MissingField, "'facts.sha256'")
+    _reject(_edit(P.encode(_assignment()), lambda h: h["f"].pop("plan")), P.MissingField, "'plan'")
 
 
 @pytest.mark.parametrize(
@@ -238,18 +240,22 @@ def test_invalid_update_fields(field: str, value: Any, expected: str) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("local_steps", 0),
-        ("batch_size", 0),
-        ("lr", 0.0),
-        ("lr", float("inf")),
-        ("deadline_s", -1),
-        ("upload", 1),
-        ("seed", False),
-        ("alpha", "0.5"),
-        ("model", "cnn"),
-        ("algorithm", None),
-        ("sha256", "ab" * 31),
-        ("sha256", "AB" * 32),
+        ("plan.steps", 0),
+        ("plan.batch_size", 0),
+        ("plan.lr", 0.0),
+        ("plan.lr", float("inf")),
+        ("plan.settings", [1]),
+        ("plan.momentum", -0.5),
+        ("facts.deadline_s", -1),
+        ("facts.upload", 1),
+        ("facts.seed", False),
+        ("facts.model", "cnn"),
+        ("facts.algorithm", None),
+        ("facts.sha256", "ab" * 31),
+        ("facts.sha256", "AB" * 32),
+        ("facts.run", "a b"),
+        ("plan", 5),
+        ("facts", None),
         ("globals", "c_global"),
         ("globals", ["c", "c"]),
         ("globals", [""]),
@@ -257,12 +263,24 @@ def test_invalid_update_fields(field: str, value: Any, expected: str) -> None:
     ],
 )
 def test_invalid_assignment_fields(field: str, value: Any) -> None:
-    _reject(_edit(P.encode(_assignment()), lambda h: h["f"].update({field: value})), P.InvalidField, repr(field))
+    """Every field of the plan and of the round's facts is checked by its own declaration; TACO's alpha_i is a
+    per-round value of its contract, checked there (tests/test_algo_taco.py)."""
+    record, _, key = field.rpartition(".")
+
+    def edit(h: dict[str, Any]) -> None:
+        (h["f"][record] if record else h["f"])[key] = value
+
+    _reject(_edit(P.encode(_assignment()), edit), P.InvalidField, repr(field))
 
 
-def test_int_accepted_for_float_and_none_for_alpha() -> None:
-    out = P.decode(_edit(P.encode(_assignment()), lambda h: h["f"].update(lr=1, alpha=None)))
-    assert out.lr == 1 and out.alpha is None
+def test_an_unknown_field_of_a_record_is_refused() -> None:
+    payload = _edit(P.encode(_assignment()), lambda h: h["f"]["plan"].update(alpha=0.5))
+    _reject(payload, P.InvalidField, "unknown field 'plan.alpha'")
+
+
+def test_int_accepted_for_float() -> None:
+    out = P.decode(_edit(P.encode(_assignment()), lambda h: h["f"]["plan"].update(lr=1)))
+    assert out.plan.lr == 1 and out.plan.settings["alpha_i"] == 0.5
 
 
 def test_unknown_field() -> None:
@@ -366,8 +384,7 @@ def test_a_round_model_may_carry_its_weights_as_a_compressed_difference_and_noth
     assert np.array_equal(got.weights, codecs.decode(diff)) and np.array_equal(got.arrays["c"], c)
     coded_c = M.GlobalModel(3, 2, "ab" * 32, c, {"c": diff}, run_id="3f2a9c1b7d4e")
     _reject(P.encode(coded_c), P.InvalidField, "'x:c'", "dtype")
-    assignment = _assignment()
-    assignment.arrays = {"c": diff}
+    assignment = _assignment(arrays={"c": diff})
     _reject(P.encode(assignment), P.InvalidField, "'x:c'", "dtype")
     _reject(_edit(P.encode(message), lambda h: h["f"].update(diff_base="xyz")), P.InvalidField, "'diff_base'")
 
@@ -381,7 +398,7 @@ def test_every_wire_field_is_declared_once_and_the_type_table_is_derived() -> No
     from edge_client.schema import ARRAY, WIRE
 
     assert set(M.SCHEMAS) == {c.TYPE for c in (*M.FROM_DEVICES, M.Assignment, M.Stop, M.Ack, M.ModelFile)} | {
-        "global_model", "evaluate", "refusal"}  # fmt: skip
+        "global_model", "evaluate", "refusal", "secagg_roster", "secagg_relay", "secagg_unmask"}  # fmt: skip
     for t, schema in M.SCHEMAS.items():
         declared = {f.name for f in fields(schema.cls) if WIRE in f.metadata}
         assert sorted(attr for attr, _ in schema.fields.values()) == sorted(declared), t
@@ -389,7 +406,7 @@ def test_every_wire_field_is_declared_once_and_the_type_table_is_derived() -> No
         required = {attr for key, (attr, _) in schema.fields.items() if key in schema.required}
         assert required == (declared if t == "assignment" else no_default), t
         assert set(schema.arrays) == {f.name for f in fields(schema.cls) if ARRAY in f.metadata}, t
-    assert [t for t, s in M.SCHEMAS.items() if s.blob] == ["model", "chunk"]
+    assert [t for t, s in M.SCHEMAS.items() if s.blob] == ["model", "masked_input", "chunk"]
     assert {t: s.vector for t, s in M.SCHEMAS.items() if s.vector} == {
         "update": "delta", "global_model": "weights", "evaluate": "weights"}  # fmt: skip
     assert sorted(t for t, s in M.SCHEMAS.items() if s.named) == ["assignment", "global_model", "update"]

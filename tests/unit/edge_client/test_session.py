@@ -10,7 +10,18 @@ import numpy as np
 import pytest
 from edgefl_testkit.messages import make_update, round_assignment
 
-from edge_client.messages import Ack, Assignment, Chunk, Hello, Message, Presence, Resync, Stop, Update, model_digest
+from edge_client.messages import (
+    Ack,
+    Assignment,
+    Chunk,
+    Hello,
+    Message,
+    Presence,
+    Resync,
+    Stop,
+    Update,
+    model_digest,
+)
 from edge_client.protocol import InvalidField, decode, encode
 from edge_client.session import RESEND_FIRST_S, Session
 from edge_client.topics import Topics
@@ -30,7 +41,7 @@ def assignment(run_id: str, round_: int, deadline_s: float = 60.0) -> Assignment
     """As the server sends it: naming its round's model (``server.distribution``)."""
     weights = np.zeros(3, np.float32)
     return round_assignment(round_, weights, {}, run_id=run_id, deadline_s=deadline_s, model_version=round_,
-                            model_sha256=model_digest(weights, {}))  # fmt: skip
+                            sha256=model_digest(weights, {}))  # fmt: skip
 
 
 def online(run_id: str) -> Presence:

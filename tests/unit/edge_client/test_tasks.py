@@ -16,11 +16,11 @@ from edge_client.algorithms import client_algorithm
 from edge_client.data import ArrayDataset, BatchSampler, load_local_data, split_holdout
 from edge_client.factories import AllowedCode, FactoryError, load_factory
 from edge_client.flat import FlatModel
-from edge_client.messages import Evaluation
+from edge_client.messages import Evaluation, RoundFacts
 from edge_client.models import build_model, fingerprint, get_flat, layout_difference, parameter_layout
 from edge_client.protocol import ProtocolError
 from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate, task_loss
-from edge_client.trainer import plan_for, train_local
+from edge_client.trainer import train_local
 from server.broker import Broker
 from server.config import ConfigError, EvalSection
 from server.datasets import load_dataset
@@ -168,11 +168,11 @@ def test_every_algorithms_client_half_trains_any_task(algorithm: str, task_name:
     root = ArrayDataset(x[:16], y[:16]) if strategy.root_size(64) else None
     strategy.setup(ServerContext(spec, w0.size, {"c0": 64}, root, 0, task))
     selected = strategy.select(1, ["c0"])
-    assignment = strategy.assign(1, "c0")
-    assignment.weights, assignment.round, assignment.upload = w0, 1, "c0" in selected
+    plan = strategy.assign(1, "c0")
+    facts = RoundFacts(round=1, upload="c0" in selected)
     client = client_algorithm(algorithm)
-    plan = plan_for(assignment, client, flat.size)
-    result = train_local(flat, w0, data, BatchSampler(64, plan.batch_size, 0, "c0"), plan, client)
+    client.contract.check_plan(plan, flat.size)
+    result = train_local(flat, w0, data, BatchSampler(64, plan.batch_size, 0, "c0"), plan, client, facts)
     assert np.isfinite(result.delta).all() and np.abs(result.delta).sum() > 0
     flat.load(w0)
     before = evaluate(module, task, data)["loss"]

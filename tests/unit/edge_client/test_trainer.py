@@ -14,7 +14,8 @@ from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import MLP, get_flat, num_params, set_flat
-from edge_client.trainer import Plan, TrainResult, train_local
+from edge_client.plan import Plan
+from edge_client.trainer import TrainResult, train_local
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -28,7 +29,7 @@ def make_dataset(n: int = 64, seed: int = 1) -> ArrayDataset:
 
 
 def make_plan(local_steps: int = 5, lr: float = 0.1) -> Plan:
-    return Plan(local_steps, lr, batch_size=8, round=1)
+    return Plan(local_steps, lr, batch_size=8)
 
 
 class CountingAlgorithm(ClientAlgorithm):

@@ -49,7 +49,7 @@ def run_with_hostile(algorithm: str, tmp_path: Path) -> tuple[dict, list[dict], 
 
     def respond(a: Assignment) -> list[bytes | bytearray]:
         clean = zero_update(a, HOSTILE, HOSTILE_SAMPLES, contract)
-        if a.round > 1:
+        if a.facts.round > 1:
             return [encode(clean)]
         sent.extend(hostile_frames(clean, contract, HOSTILE_SAMPLES))
         return [frame for *_, frame in sent]
@@ -128,7 +128,7 @@ def test_rejections_survive_a_resume(tmp_path: Path) -> None:
         def respond(a: Assignment) -> list[bytes | bytearray]:
             clean = zero_update(a, "odd", HOSTILE_SAMPLES)
             lying = Update(**{**vars(clean), "num_samples": 7, "msg_id": new_msg_id()})
-            return [encode(lying), encode(clean)] if a.round == 1 else [encode(clean)]
+            return [encode(lying), encode(clean)] if a.facts.round == 1 else [encode(clean)]
 
         odd = FakeDevice(None, topics, "odd", HOSTILE_SAMPLES, respond)  # type: ignore[arg-type]
         odd.link = bus.connect(device_topics(topics, "odd"), odd.hello)

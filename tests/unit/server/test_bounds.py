@@ -164,8 +164,9 @@ def test_one_large_delta_is_refused_relative_to_the_round(ratio: float, tmp_path
 
     def respond(a: Assignment) -> list[Update]:
         u = zero_update(a, HOSTILE, 100)
-        if a.round == 2:
-            u.delta = np.full(a.weights.size, 9000 / math.sqrt(a.weights.size), np.float32)
+        if a.facts.round == 2:
+            size = a.plan.weights.size  # type: ignore[union-attr]
+            u.delta = np.full(size, 9000 / math.sqrt(size), np.float32)
         return [u]
 
     summary, rows = run(
@@ -256,7 +257,7 @@ def test_a_device_refused_mid_round_stays_known_until_the_round_closes(update_fi
     offline for the round (no KeyError in the round's bookkeeping), forgotten once it closed."""
 
     def respond(a: Assignment) -> list[Update | Hello]:
-        if a.round > 1:
+        if a.facts.round > 1:
             return [zero_update(a, HOSTILE, 100)]
         again = Hello(HOSTILE, 100, model=OTHER_MODEL)
         update = zero_update(a, HOSTILE, 100)

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from edgefl_testkit.federation import make_config
-from edgefl_testkit.messages import assignment
 
 from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
-from edge_client.messages import Assignment, ModelRequest, model_digest
+from edge_client.messages import Assignment, ModelRequest, RoundFacts, model_digest
+from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
 from edge_client.topics import Topics
 from server.datasets import load_dataset
@@ -24,27 +24,42 @@ W = np.linspace(-1, 1, 50, dtype=np.float32)
 C = np.full(50, 0.25, np.float32)
 
 
-def _assignment(weights: np.ndarray = W, **arrays: np.ndarray) -> Assignment:
-    return assignment(weights, 2, batch_size=8, arrays=arrays, round=4, algorithm="scaffold", deadline_s=10.0,
-                      model={"name": "mlp"})  # fmt: skip
+def _plan(weights: np.ndarray | None = None, **arrays: np.ndarray) -> Plan:
+    return Plan(2, 0.1, 8, arrays=arrays, weights=weights)
+
+
+def _send(dist: Distribution, round_: int, version: int, plans: dict[str, Plan]) -> dict[str, tuple[Assignment, int]]:
+    """The orchestrator's two steps: the round's model, then the assignments naming it with the round's facts."""
+    sha = dist.publish(round_, version, W, plans, "")
+    facts = RoundFacts(round=round_, model_version=version, sha256=sha, deadline_s=10.0, algorithm="scaffold",
+                       model={"name": "mlp"})  # fmt: skip
+    return dist.send(plans, dict.fromkeys(plans, facts))
 
 
 def test_a_round_becomes_one_model_with_the_global_arrays_and_assignments_with_their_own() -> None:
-    model, slim = split_round(SCAFFOLD, 4, 3, {"a": _assignment(c=C.copy(), own=W[:3]), "b": _assignment(c=C)})
+    model, shares = split_round(SCAFFOLD, 4, 3, W, {"a": _plan(c=C.copy(), own=W[:3]), "b": _plan(c=C)})
     assert (model.round, model.model_version, model.sha256) == (4, 3, model_digest(W, {"c": C}))
     assert model.weights is W and list(model.arrays) == ["c"]
-    for cid, a in slim.items():
-        assert a.weights is None and a.model_sha256 == model.sha256 and a.global_arrays == ["c"], cid
-    assert list(slim["a"].arrays) == ["own"] and slim["b"].arrays == {}
+    for cid, (uses, _) in shares.items():
+        assert uses == ["c"], cid
+    assert list(shares["a"][1]) == ["own"] and shares["b"][1] == {}
+    # what travels: no weights, the model named by the facts, the shared arrays by name, the client's own arrays
+    bus, topics = LocalBus(), Topics("split")
+    device = LocalLink(bus, [topics.down("a")]).start()
+    sent = _send(Distribution(LocalLink(bus, []).start(), topics, SCAFFOLD), 4, 3, {"a": _plan(c=C, own=W[:3])})
+    (_, got), none = device.receive(0), device.receive(0)
+    assert isinstance(got, Assignment) and none is None and sent["a"][0].msg_id == got.msg_id
+    assert got.plan.weights is None and got.facts.sha256 == model_digest(W, {"c": C}) and got.global_arrays == ["c"]
+    assert list(got.arrays) == ["own"]
 
 
 @pytest.mark.parametrize(
     ("other", "message"),
-    [(_assignment(W + 1, c=C), "different models"), (_assignment(c=C + 1), "array 'c' of scope 'global' differs")],
+    [(_plan(W + 1, c=C), "different models"), (_plan(c=C + 1), "array 'c' of scope 'global' differs")],
 )
-def test_clients_of_one_round_must_share_the_model_and_the_global_arrays(other: Assignment, message: str) -> None:
+def test_clients_of_one_round_must_share_the_model_and_the_global_arrays(other: Plan, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        split_round(SCAFFOLD, 4, 3, {"a": _assignment(c=C), "b": other})
+        split_round(SCAFFOLD, 4, 3, W, {"a": _plan(c=C), "b": other})
 
 
 def test_the_model_is_broadcast_once_per_version_and_sent_on_request_once_per_round() -> None:
@@ -52,13 +67,13 @@ def test_the_model_is_broadcast_once_per_version_and_sent_on_request_once_per_ro
     server = LocalLink(bus, [topics.all_up]).start()
     device = LocalLink(bus, [topics.down("a"), topics.round_model_frames]).start()
     dist = Distribution(server, topics, SCAFFOLD)
-    dist.send(4, 3, {"a": _assignment(c=C), "b": _assignment(c=C)})
+    _send(dist, 4, 3, {"a": _plan(c=C), "b": _plan(c=C)})
     first = dist.take_bytes_out()
     received = [msg for _, msg in iter(lambda: device.receive(0), None)]
     assert [type(m).__name__ for m in received] == ["GlobalModel", "Assignment"]
     model_bytes = len(dist.model_message(dist.current))  # type: ignore[arg-type]
     assert model_bytes < first < model_bytes + 2 * 1024  # one model, two small assignments
-    dist.send(5, 3, {"a": _assignment(c=C), "b": _assignment(c=C)})  # a dropped round: the same version again
+    _send(dist, 5, 3, {"a": _plan(c=C), "b": _plan(c=C)})  # a dropped round: the same version again
     assert dist.take_bytes_out() < 2 * 1024
     assert [type(m).__name__ for _, m in iter(lambda: device.receive(0), None)] == ["Assignment"]
 

@@ -38,7 +38,8 @@ def test_hooks_end_up_in_live_json(tmp_path: Path) -> None:
     live.rejected("c0", "norm")
     live.rejected("c0", "norm")
     live.rejected(None, "topic")
-    told = {"c0": {"local_steps": 17, "alpha": 0.5, "lr": 0.1, "batch_size": 8, "bytes_down": 99, "params": {}}}
+    told = {"c0": {"local_steps": 17, "settings": {"alpha_i": 0.5}, "lr": 0.1, "batch_size": 8, "bytes_down": 99,
+                   "params": {}}}  # fmt: skip
     live.round_started(3, 12.5, told)
     live.close()
 

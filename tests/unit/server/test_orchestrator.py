@@ -24,8 +24,9 @@ from edgefl_testkit.fakes import FakeDevice, zero_update
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.contract import Array, Value
-from edge_client.messages import Assignment, Hello, Presence, Stop, Update, new_msg_id
+from edge_client.messages import Assignment, Hello, Presence, RoundFacts, Stop, Update, new_msg_id
 from edge_client.models import build_model, get_flat
+from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
@@ -194,15 +195,8 @@ def test_server_messages_sent_by_a_client_are_invalid(orch: Orchestrator, kind: 
         Stop(reason="bye")
         if kind == "stop"
         else Assignment(
-            round=2,
-            model_version=1,
-            local_steps=1,
-            lr=0.1,
-            batch_size=1,
-            deadline_s=1.0,
-            algorithm="fedavg",
-            model={},
-            weights=np.zeros(orch.num_params, dtype=np.float32),
+            Plan(1, 0.1, 1, weights=np.zeros(orch.num_params, dtype=np.float32)),
+            RoundFacts(round=2, model_version=1, deadline_s=1.0, algorithm="fedavg", model={}),
         )
     )
     send(orch, "c0", msg)
@@ -328,10 +322,10 @@ def late_then_valid(cid: str, late_round: int) -> Callable[[Assignment], list[by
     def respond(a: Assignment) -> list[bytes | bytearray]:
         valid = zero_update(a, cid, 50)
         frames = [encode(valid)]
-        if a.round == late_round:
+        if a.facts.round == late_round:
             huge = np.full(valid.delta.size, 1e6, dtype=np.float32)
             late = dataclasses.replace(
-                valid, round=a.round - 1, model_version=a.model_version - 1, delta=huge, msg_id=new_msg_id()
+                valid, round=a.facts.round - 1, model_version=a.facts.model_version - 1, delta=huge, msg_id=new_msg_id()
             )
             frames.insert(0, encode(late))
         return frames
@@ -355,7 +349,7 @@ def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, dig
     assert not fake._thread.is_alive()
     assert fake.error is None, fake.error
     assert fake.stopped_by_server.is_set()
-    assert [(a.round, a.model_version) for a in fake.assignments] == [(1, 0), (2, 1), (3, 2)]
+    assert [(a.facts.round, a.facts.model_version) for a in fake.assignments] == [(1, 0), (2, 1), (3, 2)]
 
     assert summary["rounds"] == 3
     assert summary["rejected"] == {"out_of_round": 1}
@@ -398,8 +392,8 @@ def test_round_t_is_evaluated_while_round_t_plus_1_trains(broker: Broker, digits
             return super().__call__(weights)
 
     def respond(a: Assignment) -> list[bytes | bytearray]:
-        assigned_at.setdefault(a.round, time.monotonic())
-        assigned[a.round].set()
+        assigned_at.setdefault(a.facts.round, time.monotonic())
+        assigned[a.facts.round].set()
         return [encode(zero_update(a, "c0", 50))]
 
     out = tmp_path / "run"

@@ -18,6 +18,7 @@ from edgefl_testkit.messages import make_update
 from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import ContractError, vector_norm
 from edge_client.dp import privatize
+from edge_client.plan import Plan
 from server.config import ConfigError
 from server.datasets import load_dataset
 from server.dp import accountant
@@ -174,12 +175,14 @@ def test_every_contract_declares_dp_and_only_compatible_ones_accept_its_values()
     assert accepted == {"fedavg", "fedprox", "scaffold", "fednova", "stem", "fedacg"}
     sent = {"dp_clip_norm": 1.0, "dp_noise_std": 0.1}
     fedavg = contract_of("fedavg")
-    assert fedavg.read_sent({**fedavg.example_sent(), **sent}, {}, 4)["dp_clip_norm"] == 1.0
+    fedavg.check_plan(Plan(5, 0.1, 8, {**fedavg.example_sent(), **sent}), 4)  # accepted
+    with pytest.raises(ContractError, match="dp_clip_norm"):
+        fedavg.check_plan(Plan(5, 0.1, 8, {**fedavg.example_sent(), "dp_clip_norm": 0.0}), 4)  # and bounded
     assert fedavg.check_returned(fedavg.resolve(), {"dp_within": 1}, {}, 4) == []
     assert fedavg.check_returned(fedavg.resolve(), {"dp_within": 7}, {}, 4)[0][0] == "invalid_field"
     taco = contract_of("taco")
     with pytest.raises(ContractError, match="dp_clip_norm"):
-        taco.read_sent({**taco.example_sent(), **sent}, {}, 4)
+        taco.check_plan(Plan(5, 0.1, 8, {**taco.example_sent(), **sent}), 4)
 
 
 def test_the_run_stops_before_it_would_exceed_target_epsilon(tmp_path: Path) -> None:

@@ -97,8 +97,8 @@ def test_the_parallel_clock_column_and_the_fleet_table_appear_only_for_fleets() 
     header, rows = fleet_table(records)
     assert rows == [["fedavg", "pi3 2 · pi4 0", "pi3 4 · pi4 1"]]
     assert fleet_table([_record("fedavg", 0, 0.7, 20)]) is None
-    assert time_table([_record("fedavg", 0, 0.7, 20)], 0.7)[0][1:] == ["iid wall clock to 70% (s)",
-                                                                     "iid client compute to 70% (s)"]  # fmt: skip
+    assert time_table([_record("fedavg", 0, 0.7, 20)], 0.7)[0][1:] == [
+        "iid wall clock to 70% (s)", "iid client compute (device clock) to 70% (s)"]  # fmt: skip
 
 
 def test_freeloader_table_counts_true_and_false_positives() -> None:

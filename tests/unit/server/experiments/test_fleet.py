@@ -22,10 +22,11 @@ from edgefl_testkit.basics import in_ci
 from edgefl_testkit.fakes import FakeDevice, zero_update
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.messages import Assignment, ComputeReport
+from edge_client.messages import Assignment, ComputeReport, RoundFacts
+from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, OutOfRound, encode
 from edge_client.topics import Topics
-from edge_client.trainer import Plan, TrainResult
+from edge_client.trainer import TrainResult
 from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
@@ -206,7 +207,7 @@ def fake_fleet_run(
     for cid, (s_per_step, overhead) in times.items():
 
         def respond(a: Assignment, cid: str = cid, s: float = s_per_step, o: float = overhead) -> list[bytes]:
-            update = replace(zero_update(a, cid, 100, contract), compute_s=o + s * a.local_steps, overhead_s=o)
+            update = replace(zero_update(a, cid, 100, contract), compute_s=o + s * a.plan.steps, overhead_s=o)
             return [encode(update)]
 
         device = FakeDevice(None, topics, cid, 100, respond)  # type: ignore[arg-type]
@@ -261,7 +262,7 @@ def test_reported_times_enter_the_policy_clamped_to_physical_ranges() -> None:
                                  "tau_min": 2, "tau_max": 100}}).train  # fmt: skip
     times = DeviceTimes(links={})
     policy = StepsPolicy(train, CONTRACTS["fednova"], times)
-    a = Assignment(round=1, model_version=0, local_steps=10, lr=0.1, batch_size=8, algorithm="fednova")
+    a = Assignment(Plan(10, 0.1, 8), RoundFacts(round=1, model_version=0, algorithm="fednova"))
     for cid, compute, overhead in (("tiny", 1e-310, 0.0), ("huge", 1e300, 0.0), ("over", 1.0, 5.0)):
         update = replace(zero_update(a, cid, 10, CONTRACTS["fednova"]), compute_s=compute, overhead_s=overhead)
         times.record(1, update, 0, 0)
@@ -336,8 +337,8 @@ def test_slowed_divides_the_measured_cpu_seconds_by_the_share() -> None:
     def measured(*_: Any) -> TrainResult:
         return TrainResult(np.zeros(1, np.float32), 10, 0.3, 0.2, 0.0, overhead_s=0.06, overhead_cpu_s=0.05)
 
-    plan = Plan(steps=10, lr=0.1, batch_size=8, round=1)
-    result = slowed(measured, replace(SHIPPED["pi4"], cpu_share=0.1))(None, None, None, None, plan, None)  # type: ignore[arg-type]
+    plan, facts = Plan(steps=10, lr=0.1, batch_size=8), RoundFacts(round=1)
+    result = slowed(measured, replace(SHIPPED["pi4"], cpu_share=0.1))(None, None, None, None, plan, None, facts)  # type: ignore[arg-type]
     assert (result.compute_s, result.cpu_s) == pytest.approx((2.0, 2.0))  # CPU seconds: what contention cannot inflate
     assert (result.overhead_s, result.overhead_cpu_s) == pytest.approx((0.5, 0.5))  # the overhead's, likewise
 

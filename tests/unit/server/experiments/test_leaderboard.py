@@ -73,7 +73,7 @@ def test_the_shipped_suite_has_every_algorithm_and_both_deadline_rows() -> None:
     assert len({a.partition("@")[0] for a in suite.algorithms}) == 14
     runs = suite.runs()
     deadline = {s.algorithm for s in runs if s.config.train.steps_policy == "deadline"}
-    assert deadline == {"fednova@deadline", "fedveca@deadline", "fedveca@fleet"}
+    assert deadline == {"fednova@deadline", "fedveca@deadline", "fedveca@fleet", "fednova@buffered-deadline"}
     fleet = next(s for s in runs if s.algorithm == "fedveca@fleet")  # FedVeca's recommended fleet configuration
     assert fleet.config.algorithm_params()["tau_floor"] == 50
     by_column = {s.column: s for s in runs}

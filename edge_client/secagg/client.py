@@ -1,0 +1,119 @@
+"""A device's secure rounds over its link: the stages of ``edge_client.secagg.device`` driven by the server's
+messages, on the device's own topics (the server relays; devices never talk to each other).
+
+An assignment with secure terms starts the round: the device advertises its keys before it trains, then keeps its
+clipped, weighted, quantised update; the roster makes it send its encrypted shares, the relay its masked input, the
+unmask request its shares of the others' secrets. Anything that breaks the protocol (a share that does not decrypt, a
+request to reveal both secrets of one device) ends the device's part in the round with a failure report; the server
+goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from edge_client.messages import (
+    MaskedInput,
+    Message,
+    RoundFacts,
+    SecAggKeys,
+    SecAggRelay,
+    SecAggReveal,
+    SecAggRoster,
+    SecAggShares,
+    SecAggUnmask,
+)
+from edge_client.secagg.crypto import ShareRejected
+from edge_client.secagg.device import DeviceRound, Keys, ProtocolBreach
+from edge_client.secagg.ring import Ring
+
+log = logging.getLogger(__name__)
+
+#: Server messages of a secure round.
+FROM_SERVER = (SecAggRoster, SecAggRelay, SecAggUnmask)
+#: ``fail(round, run_id, reason, error, deadline_s)``: the runtime's failure report.
+Fail = Callable[[int, str, str, BaseException, float], None]
+
+
+class SecureClient:
+    def __init__(
+        self, client_id: str, publish: Callable[[Message], int], fail: Fail, uploaded: Callable[[], None]
+    ) -> None:
+        """``uploaded``: called once a round's masked input is sent (the runtime counts its rounds served)."""
+        self.client_id = client_id
+        self.publish = publish
+        self.fail = fail
+        self.uploaded = uploaded
+        self.round: DeviceRound | None = None
+        self.facts: RoundFacts | None = None  # the round's facts: its secure terms
+        self.quantised: np.ndarray | None = None
+        self.scalars: dict[str, Any] = {}
+        self.costs: dict[str, float] = {}  # the device's own seconds per stage (its clock), sent with the input
+
+    def start(self, a: RoundFacts) -> None:
+        """Fresh keys for round ``a.round``, advertised at once (before training)."""
+        t0 = time.perf_counter()
+        self.round = DeviceRound(self.client_id, a.run_id, a.round)
+        self.facts, self.quantised, self.scalars = a, None, {}
+        keys = self.round.keys()
+        self.costs = {"keys_s": time.perf_counter() - t0}
+        self.publish(SecAggKeys(a.round, self.client_id, keys.enc, keys.mask, a.run_id))
+
+    def trained(self, delta: np.ndarray, scalars: dict[str, Any], per_step: bool) -> None:
+        """Keep the round's update as ring elements: clipped, divided by its steps when ``per_step`` (the contract
+        says so: FedNova), times the device's weight, quantised; ``scalars``: the ``MaskedInput`` fields an
+        ``Update`` would carry (steps, times, loss, telemetry)."""
+        a = self.facts
+        assert a is not None and a.secure
+        t0 = time.perf_counter()
+        ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
+        steps = max(1, scalars["local_steps"]) if per_step else 1
+        self.quantised = ring.quantise(delta, a.secure["weight"] / steps)
+        self.scalars = scalars
+        self.costs["quantise_s"] = time.perf_counter() - t0
+
+    def handle(self, msg: SecAggRoster | SecAggRelay | SecAggUnmask) -> None:
+        r, a = self.round, self.facts
+        if r is None or a is None or msg.round != r.round or msg.run_id != r.run_id:
+            log.warning("ignoring a %s for round %d: not this device's secure round", msg.TYPE, msg.round)
+            return
+        try:
+            if isinstance(msg, SecAggRoster):
+                t0 = time.perf_counter()
+                roster = {row[0]: Keys(row[1], row[2]) for row in msg.neighbours}
+                commitment, sealed = r.share(roster, msg.threshold)
+                self.costs["share_s"] = time.perf_counter() - t0
+                rows = [[holder, blob] for holder, blob in sealed.items()]
+                self.publish(SecAggShares(r.round, self.client_id, commitment, rows, r.run_id))
+            elif isinstance(msg, SecAggRelay):
+                self._masked_input(r, a, msg)
+            else:
+                shares = r.reveal(msg.survivors, msg.dropped)
+                self.publish(SecAggReveal(r.round, self.client_id, [list(s) for s in shares], r.run_id))
+                self.round = None  # its part in the round is over
+        except (ProtocolBreach, ShareRejected, ValueError) as exc:
+            self.round = None
+            self.fail(a.round, a.run_id, "secagg", exc, a.deadline_s)
+
+    def _masked_input(self, r: DeviceRound, a: RoundFacts, relay: SecAggRelay) -> None:
+        if self.quantised is None:
+            raise ProtocolBreach("the relay came before the round's update")
+        t0 = time.perf_counter()
+        r.receive({owner: sealed for owner, sealed in relay.shares})
+        ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
+        y = r.masked(self.quantised, ring)
+        self.costs["mask_s"] = time.perf_counter() - t0
+        metrics = {**self.scalars.pop("metrics", {}), "secagg": dict(self.costs)}
+        data = np.ascontiguousarray(y, "<u4").tobytes()
+        self.publish(
+            MaskedInput(
+                r.round, a.model_version, self.client_id, data=data, metrics=metrics, run_id=r.run_id, **self.scalars
+            )
+        )
+        self.quantised = None
+        self.uploaded()
