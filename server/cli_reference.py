@@ -1,7 +1,7 @@
 """docs/cli.md's reference, generated from the ``--help`` of ``edge-server``, ``edge-client`` and every subcommand.
 
 The text is each parser's own ``format_help()`` at a fixed width of 120 columns, so the page says what the commands
-say; tests/test_docs_reference.py keeps the committed page equal to this output.
+say; tests/unit/server/test_docs_reference.py keeps the committed page equal to this output.
 
 Regenerate: ``python -m server.cli_reference`` prints the part to paste between the markers of docs/cli.md.
 """

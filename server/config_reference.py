@@ -3,7 +3,7 @@
 Each row comes from one place: the section and key from ``RunConfig``'s dataclasses, the type from the field's
 annotation, the default from a default instance, the bound from ``RunConfig.bounds()`` (what ``validate`` refuses),
 and the description from the comments beside and above the field in server/config.py. A section or key added
-there appears here; tests/test_docs_reference.py keeps the committed table equal to this output.
+there appears here; tests/unit/server/test_docs_reference.py keeps the committed table equal to this output.
 
 Regenerate: ``python -m server.config_reference`` prints the table to paste between the markers.
 """

@@ -264,7 +264,7 @@ def test_invalid_update_fields(field: str, value: Any, expected: str) -> None:
 )
 def test_invalid_assignment_fields(field: str, value: Any) -> None:
     """Every field of the plan and of the round's facts is checked by its own declaration; TACO's alpha_i is a
-    per-round value of its contract, checked there (tests/test_algo_taco.py)."""
+    per-round value of its contract, checked there (tests/unit/algorithms/test_algo_taco.py)."""
     record, _, key = field.rpartition(".")
 
     def edit(h: dict[str, Any]) -> None:

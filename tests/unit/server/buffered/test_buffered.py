@@ -1,5 +1,5 @@
 """Buffered asynchronous aggregation (issue 28): configuration, the staleness weighting, the buffer's step and the
-event clock on hand-made speeds. The loop over a real broker is tested in tests/test_buffered_fleet.py."""
+event clock on hand-made speeds. The loop over a real broker is tested in tests/integration/test_buffered_fleet.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from server.buffered.staleness import Stale, server_step, staleness_of, stalenes
 from server.config import ConfigError, from_dict
 from server.strategies import TrainSettings, make_strategy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def test_every_contract_says_whether_it_runs_buffered_and_why_and_the_docs_table_is_theirs() -> None:

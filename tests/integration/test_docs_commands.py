@@ -40,7 +40,7 @@ from edgefl_testkit.mqtt import require_mosquitto
 
 from server.broker import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 LINKED = ("examples", "firmware_scripts", "scripts")
 SERVING = {("edge-server", "broker"), ("edge-server", "run"), ("edge-client", "run")}

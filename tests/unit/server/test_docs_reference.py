@@ -9,7 +9,7 @@ from server.cli_reference import cli_reference
 from server.config import RunConfig
 from server.config_reference import config_table, field_comments
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def _between(doc: str, name: str) -> str:

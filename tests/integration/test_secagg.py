@@ -1,0 +1,80 @@
+"""Secure aggregation over a real mosquitto with real ``edge-client`` processes: devices dropping after masking.
+The protocol as a library, with hand-made keys and no broker, is tested in tests/unit/server/test_secagg.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from edgefl_testkit.basics import CHANCE
+from edgefl_testkit.federation import end_federation
+
+from edge_client.messages import GlobalModel, MaskedInput
+from edge_client.protocol import decode
+from edge_client.secagg.ring import Ring
+from edge_client.topics import Topics
+
+pytestmark = pytest.mark.integration
+
+
+def test_secure_rounds_over_mosquitto_with_real_devices(
+    federation: Callable[..., tuple[Any, dict]], broker: Any, mqtt_client_factory: Callable[..., Any]
+) -> None:
+    """Three ``edge-client`` processes, threshold 2, two rounds. Round 1: one device (n - t) is killed once every
+    masked input is in, before the unmasking: the round still aggregates. Round 2: one more is killed the same way,
+    leaving fewer than t to reveal: the round is dropped cleanly (model unchanged, reason counted) and the run ends
+    normally. What the server received from each device is uncorrelated with the round's aggregate step."""
+    privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2, "stage_deadline_s": 5.0}
+    orch, procs = federation("secagg", clients=3, rounds=2, train={"local_steps": 5}, privacy=privacy)
+    topics = Topics("secagg")
+    seen: dict[str, list[Any]] = {"masked": [], "models": []}
+
+    def on_message(_c: Any, _u: Any, message: Any) -> None:
+        if not message.payload:  # a retained model cleared
+            return
+        msg = decode(message.payload)
+        if isinstance(msg, MaskedInput):
+            seen["masked"].append((msg.round, np.frombuffer(bytes(msg.data), "<u4").copy()))
+        elif isinstance(msg, GlobalModel) and not msg.diff_base:
+            seen["models"].append((msg.model_version, np.array(msg.weights)))
+
+    observer = mqtt_client_factory(
+        broker.server.username,
+        broker.server.password,
+        "secagg-observer",
+        setup=lambda c: setattr(c, "on_message", on_message),
+    )
+    observer.subscribe([(topics.all_up, 1), (topics.round_model_frames, 1)])
+    killed: list[str] = []
+    ask = orch.secure._ask_unmask
+
+    def kill_one_then_ask(r: Any) -> None:  # every masked input is in; the unmasking has not started
+        victim = sorted(set(r.masked) - set(killed))[-1]
+        procs[victim].kill()
+        procs[victim].wait()
+        killed.append(victim)
+        ask(r)
+
+    orch.secure._ask_unmask = kill_one_then_ask
+    try:
+        summary = orch.run()
+    finally:
+        codes = end_federation(procs)
+    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {c: code for c, code in codes.items() if c not in killed} == {c: 0 for c in procs if c not in killed}
+    first, second = rows
+    assert "dropped" not in first and first["secure"]["dropped_after_masking"] == [killed[0]]
+    assert first["clients_reported"] == 3 and first["accuracy"] > CHANCE
+    assert second["dropped"] == "secagg_unrecoverable" and second["clients_reported"] == 0
+    assert second["accuracy"] == first["accuracy"]  # the model stayed as round 1 made it
+    assert summary["secure_rounds"] == 1 and summary["dropped_rounds"] == [2]
+    models = dict(seen["models"])
+    step = (models[0] - models[1]).astype(np.float64)  # round 1's aggregate
+    ring = Ring(32, 2.0, 3)
+    inputs = [ring.signed(y).astype(np.float64) for round_, y in seen["masked"] if round_ == 1]
+    assert len(inputs) == 3
+    for y in inputs:  # without the masks each input is a third of the step, nearly: correlation far above 0.5
+        assert abs(np.corrcoef(y, step)[0, 1]) < 0.1
