@@ -14,10 +14,10 @@ from typing import Any
 
 import psutil
 import pytest
-from edgefl_testkit.federation import end_federation, start_federation
-from edgefl_testkit.mqtt import DEVICES, require_mosquitto
 
 from edge_client.transport import LinkConfig
+from edgefl_testkit.federation import end_federation, start_federation
+from edgefl_testkit.mqtt import DEVICES, require_mosquitto
 from server.broker import Broker, BrokerSettings
 from server.orchestrator import Orchestrator
 

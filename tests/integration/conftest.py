@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from edgefl_testkit.mqtt import MqttClientFactory, connect_client, require_mosquitto
 from paho.mqtt.client import Client
 
+from edgefl_testkit.mqtt import MqttClientFactory, connect_client, require_mosquitto
 from server.broker import Broker
 
 

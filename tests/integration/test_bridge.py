@@ -12,9 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.basics import CHANCE
-from edgefl_testkit.federation import run_to_end, start_federation
-from edgefl_testkit.mqtt import connect_client, throwaway_certificate
 from paho.mqtt.client import Client
 
 from edge_client.fetch import fetch_model
@@ -22,6 +19,9 @@ from edge_client.messages import Hello
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from edgefl_testkit.basics import CHANCE
+from edgefl_testkit.federation import run_to_end, start_federation
+from edgefl_testkit.mqtt import connect_client, throwaway_certificate
 from server.acl import acl_rules, site_rules
 from server.bridge import BridgeSettings
 from server.broker import Broker, BrokerSettings

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edgefl_testkit.mqtt import throwaway_certificate
 from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
 
+from edgefl_testkit.mqtt import throwaway_certificate
 from server.acl import acl_rules
 from server.broker import Broker, BrokerSettings, Credentials, MosquittoNotInstalled, find_mosquitto
 

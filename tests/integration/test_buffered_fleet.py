@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from edgefl_testkit.basics import in_ci
 from edgefl_testkit.federation import Hooks
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.mqtt import require_mosquitto, throwaway_certificate
 
 from edge_client import check
 from edge_client.messages import Presence
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from edgefl_testkit.mqtt import require_mosquitto, throwaway_certificate
 from server.broker import Broker, BrokerSettings, free_port
 
 REPO = Path(__file__).resolve().parents[2]

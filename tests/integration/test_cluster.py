@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edgefl_testkit.basics import CHANCE, in_ci
-from edgefl_testkit.federation import run_to_end, start_federation
 
 from edge_client.fetch import fetch_model
 from edge_client.messages import Hello, ModelFile
 from edge_client.protocol import MessageTooLarge, encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from edgefl_testkit.basics import CHANCE, in_ci
+from edgefl_testkit.federation import run_to_end, start_federation
 from server.broker import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

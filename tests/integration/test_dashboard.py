@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from edgefl_testkit.basics import in_ci, poll
-from edgefl_testkit.mqtt import require_mosquitto
 from PIL import Image
 
+from edgefl_testkit.basics import in_ci, poll
+from edgefl_testkit.mqtt import require_mosquitto
 from server.config import ConfigError
 from server.dashboard.server import Address, DashboardServer
 from server.dashboard.view import TIMELINE_FILE, RunView

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edgefl_testkit.basics import poll
-from edgefl_testkit.federation import Hooks, reported, restart_client, start_federation
 
 from edge_client.transport import LinkConfig
+from edgefl_testkit.basics import poll
+from edgefl_testkit.federation import Hooks, reported, restart_client, start_federation
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker, BrokerSettings
 from server.datasets import load_dataset

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from edgefl_testkit.basics import in_ci
 from edgefl_testkit.mqtt import require_mosquitto
-
 from server.broker import free_port
 
 REPO = Path(__file__).resolve().parents[2]

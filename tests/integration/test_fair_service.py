@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from edgefl_testkit.fakes import FakeDevice, zero_update
-from edgefl_testkit.federation import make_config
-from edgefl_testkit.mqtt import connect_client
 from paho.mqtt.client import Client
 
 from edge_client.messages import Ack, Assignment, Hello, ModelRequest, Resync
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import Inbox, LinkConfig
+from edgefl_testkit.fakes import FakeDevice, zero_update
+from edgefl_testkit.federation import make_config
+from edgefl_testkit.mqtt import connect_client
 from server.assembly import make_orchestrator
 from server.broker import Broker, BrokerSettings
 from server.datasets import load_dataset

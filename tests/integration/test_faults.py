@@ -22,10 +22,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.basics import poll
-from edgefl_testkit.fakes import FakeDevice, as_sent, zero_update
-from edgefl_testkit.federation import Hooks, make_config, reported, restart_client, start_federation
-from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
@@ -36,6 +32,10 @@ from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
+from edgefl_testkit.basics import poll
+from edgefl_testkit.fakes import FakeDevice, as_sent, zero_update
+from edgefl_testkit.federation import Hooks, make_config, reported, restart_client, start_federation
+from edgefl_testkit.messages import make_update
 from server.broker import Broker, BrokerSettings
 from server.checkpoint import pack_state, resumes, unpack_state
 from server.config import ConfigError

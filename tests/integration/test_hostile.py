@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.fakes import FakeDevice, hostile_frames, zero_update
 
 from edge_client.algorithms import CONTRACTS
 from edge_client.messages import Assignment, Chunk, Update, new_msg_id
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from edgefl_testkit.fakes import FakeDevice, hostile_frames, zero_update
 from server.broker import Broker
 from server.datasets import load_dataset
 from server.experiments.inprocess import run_inprocess

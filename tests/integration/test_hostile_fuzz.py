@@ -44,7 +44,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from edgefl_testkit.fakes import FakeDevice, zero_update
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
@@ -71,6 +70,7 @@ from edge_client.messages import (
 from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.transport import LinkConfig
+from edgefl_testkit.fakes import FakeDevice, zero_update
 from server.broker import Broker
 from server.config import from_dict
 from server.datasets import load_dataset

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.federation import make_config, run_simulated
 
 from edge_client.messages import Presence
 from edge_client.protocol import encode
+from edgefl_testkit.federation import make_config, run_simulated
 from server.broker import Broker
 from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, LocalLink

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.basics import CHANCE
-from edgefl_testkit.federation import Hooks
 
 from edge_client.predictor import Predictor
 from edge_client.topics import Topics
+from edgefl_testkit.basics import CHANCE
+from edgefl_testkit.federation import Hooks
 from server.datasets import load_dataset
 from server.experiments.simulate import stop_clients
 

@@ -10,14 +10,14 @@ import uuid
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.federation import make_config
-from edgefl_testkit.mqtt import MqttClientFactory
 from paho.mqtt.client import Client
 
 from edge_client.messages import Presence
 from edge_client.protocol import decode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
+from edgefl_testkit.federation import make_config
+from edgefl_testkit.mqtt import MqttClientFactory
 from server.assembly import make_orchestrator
 from server.broker import Broker
 from server.datasets import load_dataset

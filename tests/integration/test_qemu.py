@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from edgefl_testkit.basics import in_ci
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.federation import Hooks
 
+from edgefl_testkit.federation import Hooks
 from server.datasets import load_dataset
 from server.experiments.simulate import behaviours
 

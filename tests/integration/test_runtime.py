@@ -13,8 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import train_assignment
-from edgefl_testkit.messages import round_assignment
 from torch import nn
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
@@ -40,6 +38,8 @@ from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
+from edgefl_testkit.algorithms import train_assignment
+from edgefl_testkit.messages import round_assignment
 from server.broker import Broker
 from server.distribution import Distribution
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from edgefl_testkit.mqtt import require_mosquitto
 
 

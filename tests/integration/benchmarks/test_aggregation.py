@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from edgefl_testkit.benchmarks import run_benchmark_quick
-
 from server.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgefl_testkit.benchmarks import run_benchmark_quick
-
 from edge_client.algorithms import CLIENT_ALGORITHMS
+from edgefl_testkit.benchmarks import run_benchmark_quick
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.benchmarks import run_benchmark_quick
 
 from benchmarks.__main__ import targets
 from benchmarks.fleet import verdict
+from edgefl_testkit.benchmarks import run_benchmark_quick
 
 
 def test_quick_run_writes_the_parallel_clock_table(tmp_path: Path) -> None:

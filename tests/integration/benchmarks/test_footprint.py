@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from edgefl_testkit.benchmarks import run_benchmark_quick
 from edgefl_testkit.mqtt import require_mosquitto
 

@@ -9,10 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.basics import spill_files
-from edgefl_testkit.benchmarks import run_benchmark_quick
-from edgefl_testkit.messages import make_update
-from edgefl_testkit.mqtt import require_mosquitto
 
 from benchmarks import load
 from edge_client import chunking
@@ -20,6 +16,10 @@ from edge_client.messages import Update
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
+from edgefl_testkit.basics import spill_files
+from edgefl_testkit.benchmarks import run_benchmark_quick
+from edgefl_testkit.messages import make_update
+from edgefl_testkit.mqtt import require_mosquitto
 from server.admission import RoundState
 from server.config import from_dict
 from server.datasets import load_dataset

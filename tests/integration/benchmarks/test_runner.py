@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from edgefl_testkit.mqtt import require_mosquitto
 
 from benchmarks.__main__ import measured_at, targets
 from benchmarks.common import write_results
+from edgefl_testkit.mqtt import require_mosquitto
 
 ROOT = Path(__file__).resolve().parents[3]
 

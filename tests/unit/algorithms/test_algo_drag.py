@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import reference_sgd, toy_data, toy_model, train_assignment
-from edgefl_testkit.messages import assignment, make_update
 
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient
@@ -23,6 +21,8 @@ from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Update
 from edge_client.models import build_model, get_flat, set_flat
+from edgefl_testkit.algorithms import reference_sgd, toy_data, toy_model, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import ServerContext, TrainSettings
 from server.strategies.drag import Drag
 from server.strategies.drag_br import DragBR

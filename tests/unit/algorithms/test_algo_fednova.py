@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
-from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
 from edge_client.algorithms.fedavg import FedAvgClient
@@ -17,6 +15,8 @@ from edge_client.data import BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Update
 from edge_client.models import set_flat
+from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from server.admission import WrongSteps
 from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
-from edgefl_testkit.messages import assignment, make_update
 
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.messages import Update
+from edgefl_testkit.algorithms import flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings
 from server.strategies.fedprox import FedProx
 

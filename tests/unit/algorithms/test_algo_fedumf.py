@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import set_up, toy_data, train_assignment
-from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
 from edge_client.algorithms.fedumf import FedUmfClient
@@ -21,6 +19,8 @@ from edge_client.contract import ContractError
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, RoundFacts, Update
+from edgefl_testkit.algorithms import set_up, toy_data, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings
 from server.strategies.fedumf import FedUmf
 

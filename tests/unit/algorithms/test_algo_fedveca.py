@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
-from edgefl_testkit.messages import assignment, make_update
 from torch import nn
 
 from edge_client.algorithms.fedveca import FedVecaClient
@@ -20,6 +18,8 @@ from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, Update
 from edge_client.protocol import MissingField
+from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings
 from server.strategies.fedveca import FedVeca
 

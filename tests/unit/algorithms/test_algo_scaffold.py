@@ -6,8 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.algorithms import admit, flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
-from edgefl_testkit.messages import assignment, make_update
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import LocalContext
@@ -19,6 +17,8 @@ from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.messages import Assignment, RoundFacts, Update
 from edge_client.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
+from edgefl_testkit.algorithms import admit, flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 from server.strategies.scaffold import Scaffold

@@ -12,10 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit import algorithms as kit
-from edgefl_testkit import messages
-from edgefl_testkit.algorithms import train_assignment
-from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.algorithms.fedavg import FedAvgClient
@@ -27,6 +23,10 @@ from edge_client.messages import Assignment, RoundFacts, Update
 from edge_client.plan import Plan
 from edge_client.runtime import TrainFn
 from edge_client.trainer import TrainResult
+from edgefl_testkit import algorithms as kit
+from edgefl_testkit import messages
+from edgefl_testkit.algorithms import train_assignment
+from edgefl_testkit.messages import make_update
 from server.experiments.attacks import freeloader
 from server.report import summarize
 from server.strategies.base import TrainSettings

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import set_up, toy_data, train_toy
-from edgefl_testkit.fakes import as_sent
-from edgefl_testkit.messages import assignment, make_update
 
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.algorithms.fedprox_taco import FedProxTacoClient
@@ -22,6 +19,9 @@ from edge_client.messages import Assignment, GlobalModel, RoundFacts, Update
 from edge_client.models_cache import ModelCache
 from edge_client.plan import Plan
 from edge_client.protocol import decode, encode
+from edgefl_testkit.algorithms import set_up, toy_data, train_toy
+from edgefl_testkit.fakes import as_sent
+from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings
 from server.strategies.fedprox import FedProx
 from server.strategies.fedprox_taco import FedProxTaco

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.fakes import as_sent
-from edgefl_testkit.messages import round_assignment
 
 from edge_client.data import ArrayDataset, load_local_data
 from edge_client.messages import Assignment, Failure, Presence
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import train_local
+from edgefl_testkit.fakes import as_sent
+from edgefl_testkit.messages import round_assignment
 from server.assembly import make_orchestrator, split_clients
 from server.config import from_dict
 from server.datasets import load_dataset

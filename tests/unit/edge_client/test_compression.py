@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from edgefl_testkit.messages import round_assignment
 
 from edge_client import codecs as C
 from edge_client.algorithms.base import ClientAlgorithm
@@ -36,6 +35,7 @@ from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
 from edge_client.trainer import TrainResult
+from edgefl_testkit.messages import round_assignment
 from server.distribution import Distribution
 from server.downlink import Downlink
 from server.experiments.inprocess import LocalBus, LocalLink

@@ -8,7 +8,6 @@ import logging
 
 import numpy as np
 import pytest
-from edgefl_testkit.messages import make_update, round_assignment
 
 from edge_client.messages import (
     Ack,
@@ -25,6 +24,7 @@ from edge_client.messages import (
 from edge_client.protocol import InvalidField, decode, encode
 from edge_client.session import RESEND_FIRST_S, Session
 from edge_client.topics import Topics
+from edgefl_testkit.messages import make_update, round_assignment
 from server.admission import RoundState
 from server.delivery import Delivery
 

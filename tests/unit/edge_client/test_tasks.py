@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.federation import make_config, run_simulated
 
 from edge_client.algorithms import client_algorithm
 from edge_client.data import ArrayDataset, BatchSampler, load_local_data, split_holdout
@@ -21,6 +20,7 @@ from edge_client.models import build_model, fingerprint, get_flat, layout_differ
 from edge_client.protocol import ProtocolError
 from edge_client.tasks import TASKS, auc, build_task, combine_reports, evaluate, task_loss
 from edge_client.trainer import train_local
+from edgefl_testkit.federation import make_config, run_simulated
 from server.broker import Broker
 from server.config import ConfigError, EvalSection
 from server.datasets import load_dataset

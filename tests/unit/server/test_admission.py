@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.fakes import FakeDevice, device_topics, hostile_frames, zero_update
 
 from edge_client.algorithms import CONTRACTS
 from edge_client.data import load_local_data
@@ -23,6 +22,7 @@ from edge_client.messages import Assignment, Update, new_msg_id
 from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.topics import Topics
+from edgefl_testkit.fakes import FakeDevice, device_topics, hostile_frames, zero_update
 from server.assembly import make_orchestrator, split_clients
 from server.config import from_dict
 from server.datasets import load_dataset

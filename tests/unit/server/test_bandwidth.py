@@ -10,15 +10,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import admit
-from edgefl_testkit.basics import CHANCE
-from edgefl_testkit.federation import make_config
 
 from edge_client import codecs as C
 from edge_client.algorithms import CONTRACTS
 from edge_client.contract import codecs_markdown
 from edge_client.messages import GlobalModel, Update, model_digest
 from edge_client.protocol import ProtocolError, decode, encode
+from edgefl_testkit.algorithms import admit
+from edgefl_testkit.basics import CHANCE
+from edgefl_testkit.federation import make_config
 from server.codec_policy import HEADER_BYTES, CodecPolicy, upload_bytes
 from server.config import ConfigError, from_dict
 from server.datasets import load_dataset

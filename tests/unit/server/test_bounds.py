@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
 
 from edge_client.data import load_local_data, split_holdout
 from edge_client.messages import Assignment, Evaluate, Evaluation, Hello, Message, Update
@@ -22,6 +21,7 @@ from edge_client.protocol import encode
 from edge_client.runtime import EdgeClient
 from edge_client.tasks import TASKS
 from edge_client.topics import Topics
+from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
 from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients
 from server.config import EvalSection, from_dict

@@ -4,10 +4,10 @@ import struct
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.basics import in_ci
 
 from edge_client.data import load_local_data
 from edge_client.models import build_model
+from edgefl_testkit.basics import in_ci
 from server import datasets
 from server.datasets import STANDARDIZE, DatasetBundle, DatasetNotInstalled, load_dataset
 from server.experiments.shards import format_histograms, label_histograms, partition, partition_bundle, write_shards

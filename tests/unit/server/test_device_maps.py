@@ -14,10 +14,10 @@ from typing import Any
 
 import msgpack
 import pytest
-from edgefl_testkit.federation import make_config
 
 from edge_client.protocol import read_header
 from edge_client.topics import Topics
+from edgefl_testkit.federation import make_config
 from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards

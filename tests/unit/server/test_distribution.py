@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.federation import make_config
 
 from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
 from edge_client.messages import Assignment, ModelRequest, RoundFacts, model_digest
 from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
 from edge_client.topics import Topics
+from edgefl_testkit.federation import make_config
 from server.datasets import load_dataset
 from server.distribution import Distribution, split_round
 from server.experiments.inprocess import LocalBus, LocalLink, run_inprocess

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.algorithms import admit
-from edgefl_testkit.basics import spill_files
-from edgefl_testkit.federation import Hooks, make_config
-from edgefl_testkit.messages import make_update
 
 from edge_client.contract import vector_norm
 from edge_client.data import ArrayDataset
 from edge_client.messages import Update
 from edge_client.models import build_model, num_params
 from edge_client.transport import LinkConfig
+from edgefl_testkit.algorithms import admit
+from edgefl_testkit.basics import spill_files
+from edgefl_testkit.federation import Hooks, make_config
+from edgefl_testkit.messages import make_update
 from server.checkpoint import pack_state
 from server.config import from_dict
 from server.evaluation import Evaluator

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from edgefl_testkit.fakes import FakeDevice, zero_update
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.contract import Array, Value
@@ -30,6 +29,7 @@ from edge_client.plan import Plan
 from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
+from edgefl_testkit.fakes import FakeDevice, zero_update
 from server.admission import Admission, RoundState
 from server.broker import Broker
 from server.config import RunConfig, from_dict

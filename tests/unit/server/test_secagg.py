@@ -206,12 +206,11 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     training function), its weight as assigned (``begin``'s terms) and the ring sum the server unmasked (recorded as
     ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their data size);
     with central DP the devices' noise shares are in their deltas (added in training, before masking)."""
-    from edgefl_testkit.federation import make_config
-    from edgefl_testkit.messages import make_update
-
     import server.experiments.inprocess as inprocess
     import server.secagg.stages as stages
     from edge_client.trainer import train_local
+    from edgefl_testkit.federation import make_config
+    from edgefl_testkit.messages import make_update
     from server.datasets import load_dataset
     from server.experiments.simulate import client_ids, prepare_shards
     from server.strategies import TrainSettings, make_strategy
@@ -327,12 +326,11 @@ def test_a_plain_update_in_a_secure_run_is_refused_and_the_round_goes_on(tmp_pat
     """A device answering a secure assignment with a plain update (bypassing the masking) beside two honest runtimes
     on the in-process bus: the update is refused (``secagg_message``), never folded, and each round aggregates the
     two honest devices securely."""
-    from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
-
     from edge_client.data import load_local_data
     from edge_client.protocol import encode
     from edge_client.runtime import EdgeClient
     from edge_client.topics import Topics
+    from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
     from server.assembly import make_orchestrator
     from server.config import from_dict
     from server.datasets import load_dataset

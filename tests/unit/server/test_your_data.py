@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edgefl_testkit.federation import make_config, run_simulated
 
 from edge_client.data import load_local_data
 from edge_client.predictor import sample_shape_for
+from edgefl_testkit.federation import make_config, run_simulated
 from server.assembly import model_spec
 from server.broker import Broker
 from server.cli import build_parser

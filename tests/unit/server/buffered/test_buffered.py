@@ -122,7 +122,6 @@ def test_an_inprocess_fleet_delivers_on_the_event_clock(tmp_path: Path) -> None:
     import json
 
     from edgefl_testkit.federation import make_config, run_simulated
-
     from server.datasets import load_dataset
 
     config = make_config(tmp_path, "fb-clock", 3, 6, train={"mode": "buffered", "buffer_size": 2, "local_steps": 5})

@@ -11,14 +11,14 @@ import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting import pld, rdp
-from edgefl_testkit.benchmarks import run_benchmark_quick
-from edgefl_testkit.federation import make_config, run_simulated, run_to_end
-from edgefl_testkit.messages import make_update
 
 from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import ContractError, vector_norm
 from edge_client.dp import privatize
 from edge_client.plan import Plan
+from edgefl_testkit.benchmarks import run_benchmark_quick
+from edgefl_testkit.federation import make_config, run_simulated, run_to_end
+from edgefl_testkit.messages import make_update
 from server.config import ConfigError
 from server.datasets import load_dataset
 from server.dp import accountant

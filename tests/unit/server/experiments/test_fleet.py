@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from edgefl_testkit.basics import in_ci
-from edgefl_testkit.fakes import FakeDevice, zero_update
 
 from edge_client.algorithms import CONTRACTS
 from edge_client.messages import Assignment, ComputeReport, RoundFacts
@@ -27,6 +25,8 @@ from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, OutOfRound, encode
 from edge_client.topics import Topics
 from edge_client.trainer import TrainResult
+from edgefl_testkit.basics import in_ci
+from edgefl_testkit.fakes import FakeDevice, zero_update
 from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
