@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from edge_client.transport import LinkConfig
@@ -162,6 +163,18 @@ def restart_client(proc: subprocess.Popen, password: str, log: Path) -> subproce
     env = {**os.environ, "EDGEFL_PASSWORD": password, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log.open("w") as fh:
         return subprocess.Popen(proc.args, stdout=fh, stderr=subprocess.STDOUT, env=env)
+
+
+def checkpointed_round(out: Path) -> int:
+    """The last round in ``out/checkpoint.npz`` (replaced atomically, so never half-written), 0 before the first.
+
+    Waiting on metrics.jsonl instead would race: its row is written just before the round's checkpoint.
+    """
+    try:
+        with np.load(out / "checkpoint.npz") as saved:
+            return int(saved["round"])
+    except FileNotFoundError:
+        return 0
 
 
 def reported(caplog: pytest.LogCaptureFixture, round_: int, cid: str) -> int:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from edgefl_testkit.basics import in_ci
-from edgefl_testkit.federation import Hooks
+from edgefl_testkit.basics import in_ci, poll
+from edgefl_testkit.federation import Hooks, checkpointed_round, restart_client
 
 pytestmark = pytest.mark.integration
 
@@ -74,8 +74,6 @@ def test_a_device_offline_for_several_steps_comes_back_and_is_sent_the_newest_mo
     """client-01 is SIGKILLed before step 2 and restarted (same id, data and state dir) before step 5, when the others
     stop: nothing waited for it meanwhile, and once back it is sent the newest model (its lost assignment is not sent
     again) and makes at least one of steps 5-7; its updates are weighted as the formula says."""
-    from test_faults import restart_client
-
     orch, procs = federation("buffered-offline", clients=3, rounds=7, train={"mode": "buffered", "buffer_size": 1,
                                                                              "local_steps": 5})  # fmt: skip
     restarted: list[subprocess.Popen] = []
@@ -120,8 +118,6 @@ def _aggregated(metrics: Path, steps: int | None = None) -> list[str]:
 def test_the_server_killed_mid_run_resumes_without_aggregating_an_update_twice(federation, broker, tmp_path) -> None:
     """`edge-server run` buffered, SIGKILLed once 3 steps are checkpointed and restarted on the same directory: the
     run ends with every step recorded once and no update aggregated twice."""
-    from test_faults import _checkpointed_round, poll
-
     job, rounds = "buffered-resume", 5 if in_ci() else 8
     orch, _ = federation(job, clients=3, rounds=rounds, once=False, train={"mode": "buffered", "buffer_size": 2})
     out = orch.out_dir
@@ -137,12 +133,12 @@ def test_the_server_killed_mid_run_resumes_without_aggregating_an_update_twice(f
     with (tmp_path / "first.log").open("w") as log:
         first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        poll(lambda: first.poll() is not None or _checkpointed_round(out) >= 3, 120, "three checkpointed steps")
+        poll(lambda: first.poll() is not None or checkpointed_round(out) >= 3, 120, "three checkpointed steps")
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         first.kill()
         first.wait()
-    checkpointed = _checkpointed_round(out)  # a row after it may be written already: the resumed run replaces it
+    checkpointed = checkpointed_round(out)  # a row after it may be written already: the resumed run replaces it
     before = _aggregated(out / "metrics.jsonl", checkpointed)
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert second.returncode == 0, second.stderr[-3000:]

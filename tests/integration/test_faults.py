@@ -34,7 +34,14 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
 from edgefl_testkit.basics import poll
 from edgefl_testkit.fakes import FakeDevice, as_sent, zero_update
-from edgefl_testkit.federation import Hooks, make_config, reported, restart_client, start_federation
+from edgefl_testkit.federation import (
+    Hooks,
+    checkpointed_round,
+    make_config,
+    reported,
+    restart_client,
+    start_federation,
+)
 from edgefl_testkit.messages import make_update
 from server.broker import Broker, BrokerSettings
 from server.checkpoint import pack_state, resumes, unpack_state
@@ -278,18 +285,6 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
     assert summary["rejected"] == dict.fromkeys(kinds, 1)
 
 
-def _checkpointed_round(out: Path) -> int:
-    """The last round in ``out/checkpoint.npz`` (replaced atomically, so never half-written), 0 before the first.
-
-    Waiting on metrics.jsonl instead would race: its row is written just before the round's checkpoint.
-    """
-    try:
-        with np.load(out / "checkpoint.npz") as saved:
-            return int(saved["round"])
-    except FileNotFoundError:
-        return 0
-
-
 @pytest.mark.integration
 def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, tmp_path: Path) -> None:
     """`edge-server run` (TACO: alphas and strikes in the checkpoint) SIGKILLed after round 2, restarted with the same
@@ -310,7 +305,7 @@ def test_server_killed_mid_run_resumes_from_its_checkpoint(federation, broker, t
     with (tmp_path / "first.log").open("w") as log:
         first = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        poll(lambda: first.poll() is not None or _checkpointed_round(out) >= 2, 120, "two checkpointed rounds")
+        poll(lambda: first.poll() is not None or checkpointed_round(out) >= 2, 120, "two checkpointed rounds")
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         first.kill()
