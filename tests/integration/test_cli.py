@@ -276,7 +276,7 @@ def test_a_waiting_server_prints_each_change_and_tells_its_devices_it_was_interr
 ) -> None:
     """Output that is not a terminal (a log file, systemd) gets a line per change of what `edge-server run` waits
     for; stopped (SIGTERM) before round 1, the server tells its devices the run was interrupted, not finished."""
-    from server.experiments.datasets import load_dataset
+    from server.datasets import load_dataset
 
     digits = load_dataset("digits").train
     data = tmp_path / "c3.npz"
