@@ -16,24 +16,16 @@ FACT_FIELDS = {f.name for f in fields_of(RoundFacts)}
 
 
 def assignment(
-    weights: np.ndarray | None,
-    steps: int = 1,
-    lr: float = 0.1,
-    batch_size: int = 4,
-    *,
-    own: dict[str, np.ndarray] | None = None,
-    global_arrays: list[str] | None = None,
-    **fields: Any,
+    weights: np.ndarray | None, steps: int = 1, lr: float = 0.1, batch_size: int = 4, **fields: Any
 ) -> Assignment:
     """A device's instructions for a round with the round's model ``weights`` in place, as the device holds them
     once the model arrived: a plan of ``steps`` local steps and the round's facts. ``fields``: any other field of the
-    plan (settings, arrays, momentum, weight_decay) or of the facts (round, algorithm, run_id, sha256...); ``own`` and
-    ``global_arrays``: the assignment's own arrays and the shared ones it names, as it travels."""
+    plan (settings, arrays, momentum, weight_decay) or of the facts (round, algorithm, run_id, sha256...), each put
+    in the record that declares it."""
     unknown = set(fields) - PLAN_FIELDS - FACT_FIELDS
     assert not unknown, f"neither a Plan nor a RoundFacts field: {sorted(unknown)}"
     plan = Plan(steps, lr, batch_size, weights=weights, **{k: v for k, v in fields.items() if k in PLAN_FIELDS})
-    facts = RoundFacts(**{k: v for k, v in fields.items() if k in FACT_FIELDS})
-    return Assignment(plan, facts, arrays=own or {}, global_arrays=list(global_arrays or []))
+    return Assignment(plan, RoundFacts(**{k: v for k, v in fields.items() if k in FACT_FIELDS}))
 
 
 def round_assignment(

@@ -25,7 +25,7 @@ import torch
 
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.data import ArrayDataset
-from edge_client.messages import Assignment, Presence, RoundFacts, Update
+from edge_client.messages import Assignment, Presence, Update
 from edge_client.models import build_model, get_flat
 from edge_client.plan import Plan
 from edge_client.protocol import encode
@@ -42,7 +42,7 @@ from edgefl_testkit.federation import (
     restart_client,
     start_federation,
 )
-from edgefl_testkit.messages import make_update
+from edgefl_testkit.messages import make_update, round_assignment
 from server.broker import Broker, BrokerSettings
 from server.checkpoint import pack_state, resumes, unpack_state
 from server.config import ConfigError
@@ -419,10 +419,8 @@ def test_a_client_skips_an_assignment_older_than_one_it_served(caplog: pytest.Lo
 
     def served(round_: int, run_id: str = "run-1") -> list[int]:
         client.handle(Presence("server", True, role="server", run_id=run_id))  # the server says which run is current
-        facts = RoundFacts(
-            round=round_, model_version=round_, deadline_s=10.0, algorithm="fedavg", model=SPEC, run_id=run_id
-        )
-        for msg in as_sent(Assignment(Plan(2, 0.1, 4, weights=weights), facts)):
+        a = round_assignment(round_, weights, SPEC, run_id=run_id, deadline_s=10.0, steps=2, model_version=round_)
+        for msg in as_sent(a):
             client.handle(msg)
         return [m.round for _, m in iter(lambda: server.receive(0), None) if isinstance(m, Update)]
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from edge_client import codecs as C
-from edge_client.messages import Assignment, GlobalModel, RoundFacts, Update, model_digest
+from edge_client.messages import GlobalModel, Update, model_digest
 from edge_client.models_cache import ModelCache
-from edge_client.plan import Plan
 from edge_client.protocol import NonFiniteValues, decode, encode
+from edgefl_testkit.messages import assignment
 
 SPECS = ["fp32", "fp16", "int8", "int8:64", "topk:0.01", "topk:0.1+int8", "topk:0.5+int8:7"]
 
@@ -198,7 +198,7 @@ def test_model_difference_rebuilds_the_published_model_and_checks_its_hash() -> 
     held, sha = GlobalModel(1, 0, model_digest(base, {}), base), model_digest(rebuilt, {})
     broadcast = decode(encode(GlobalModel(2, 1, sha, diff, diff_base=held.sha256)))  # the difference, decoded
     assert isinstance(broadcast, GlobalModel)
-    named = Assignment(Plan(1, 0.1, 8), RoundFacts(sha256=sha))
+    named = assignment(None, 1, 0.1, 8, sha256=sha)
     cache = ModelCache()
     assert not cache.add(broadcast) and cache.missed == sha  # without the base: nothing kept, the full model asked for
     assert cache.add(held) and cache.add(broadcast)

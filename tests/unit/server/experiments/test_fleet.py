@@ -27,6 +27,7 @@ from edge_client.topics import Topics
 from edge_client.trainer import TrainResult
 from edgefl_testkit.basics import in_ci
 from edgefl_testkit.fakes import FakeDevice, zero_update
+from edgefl_testkit.messages import assignment
 from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
 from server.compute_reports import ComputeReports
@@ -262,7 +263,7 @@ def test_reported_times_enter_the_policy_clamped_to_physical_ranges() -> None:
                                  "tau_min": 2, "tau_max": 100}}).train  # fmt: skip
     times = DeviceTimes(links={})
     policy = StepsPolicy(train, CONTRACTS["fednova"], times)
-    a = Assignment(Plan(10, 0.1, 8), RoundFacts(round=1, model_version=0, algorithm="fednova"))
+    a = assignment(None, 10, 0.1, 8, round=1, model_version=0, algorithm="fednova")
     for cid, compute, overhead in (("tiny", 1e-310, 0.0), ("huge", 1e300, 0.0), ("over", 1.0, 5.0)):
         update = replace(zero_update(a, cid, 10, CONTRACTS["fednova"]), compute_s=compute, overhead_s=overhead)
         times.record(1, update, 0, 0)
