@@ -201,7 +201,8 @@ from edge_client.algorithms import client_algorithm
 from edge_client.data import ArrayDataset, BatchSampler
 from edge_client.flat import FlatModel
 from edge_client.models import build_model
-from edge_client.trainer import Plan, train_local
+from edge_client.plan import Plan
+from edge_client.trainer import train_local
 spec = {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}
 rng = np.random.default_rng(0)
 data = ArrayDataset(rng.random((64, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 64))
@@ -290,7 +291,7 @@ install -D -m 0644 "$RUN/shards/$DEVICE.npz" "$ROOTFS/var/lib/edgefl/$DEVICE.npz
 "$SERVER_PY" - "$RUN/samples.npz" <<'PY'
 import sys
 import numpy as np
-from server.experiments.datasets import load_dataset
+from server.datasets import load_dataset
 test = load_dataset("mnist").test
 np.savez(sys.argv[1], x=test.x[:200], y=test.y[:200])
 PY
