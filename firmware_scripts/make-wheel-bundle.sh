@@ -88,7 +88,11 @@ if [ "$DRY" -eq 0 ]; then
     OUT=$(cd "$OUT" && pwd)
 fi
 
-# 1. the project's own wheel (pure Python)
+# 1. the project's own wheel (pure Python); a reused bundle drops the ones of earlier builds (and of the name before
+#    edgefl-mqtt), which an install of every wheel in the bundle would otherwise mix with this one
+if [ "$DRY" -eq 0 ]; then
+    find "$OUT" -maxdepth 1 \( -name 'edgefl_mqtt-*.whl' -o -name 'edgefl-*.whl' \) -delete
+fi
 run "$PY" -m pip wheel --quiet --no-deps "$PROJECT" -w "$OUT"
 if [ "$DRY" -eq 1 ]; then
     WHEEL="$OUT/edgefl_mqtt-VERSION-py3-none-any.whl"

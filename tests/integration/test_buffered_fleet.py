@@ -119,7 +119,7 @@ def test_the_server_killed_mid_run_resumes_without_aggregating_an_update_twice(f
     """`edge-server run` buffered, SIGKILLed once 3 steps are checkpointed and restarted on the same directory: the
     run ends with every step recorded once and no update aggregated twice."""
     job, rounds = "buffered-resume", 5 if in_ci() else 8
-    orch, _ = federation(job, clients=3, rounds=rounds, once=False, train={"mode": "buffered", "buffer_size": 2})
+    orch, clients = federation(job, clients=3, rounds=rounds, once=False, train={"mode": "buffered", "buffer_size": 2})
     out = orch.out_dir
     toml = tmp_path / "run.toml"
     toml.write_text(
@@ -147,3 +147,5 @@ def test_the_server_killed_mid_run_resumes_without_aggregating_an_update_twice(f
     aggregated = _aggregated(out / "metrics.jsonl")
     assert len(aggregated) == len(set(aggregated)) == 2 * rounds  # no update twice
     assert aggregated[: len(before)] == before
+    for proc in clients.values():  # they serve runs until stopped (once=False): no need for the fixture's grace
+        proc.terminate()

@@ -136,7 +136,7 @@ def test_broker_sigkilled_without_a_snapshot_costs_no_round(
         crash("after registration")
         summary = serving.join(240)
     finally:
-        codes = stop_clients(procs, timeout=20)
+        codes = stop_clients(procs, timeout=5)  # one that missed the run's stop (its session lost) is terminated
         broker.stop()
     assert kills == ["after registration", "round 2", "round 3"]
     assert summary["rounds"] == 3
