@@ -124,7 +124,7 @@ def test_taco_expels_a_freeloader(federation) -> None:
         # ones' (up to 0.7 with the accumulated correction; measured): a smaller gap than the default 0.2
         algorithm_params={"kappa": 0.6, "lambda_expel": 2, "strike_gap": 0.1},
         partition="dirichlet:0.3",
-        freeloaders=0.2,
+        simulation={"freeloaders": 0.2},
     )
     summary = orch.run()
     assert summary["excluded"] == ["client-04"]  # the freeloader, and nobody else
