@@ -16,7 +16,7 @@ of their own: a broker is waited for until its credentials are written; at the e
 `edge-server run` must have finished with status 0 and the others, stopped with SIGTERM, must exit 0. Every other
 command must exit 0. A TOML block after `<!-- file: NAME -->` is written to NAME first. A block after
 `<!-- not-run: REASON -->` is counted and reported, not run; one after `<!-- slow -->` (minutes of training) runs in
-full only with EDGEFL_DOCS_FULL set, and otherwise its edgefl commands are parsed and their configuration validated,
+full only with EDGEFL_FULL set, and otherwise its edgefl commands are parsed and their configuration validated,
 so the suite stays within its ten minutes.
 """
 
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.integration
 
 #: set (to anything) to run the blocks marked ``<!-- slow -->`` in full (a release check, minutes each); the suite
 #: parses them and validates their configuration
-FULL_ENV = "EDGEFL_DOCS_FULL"
+FULL_ENV = "EDGEFL_FULL"
 
 
 @dataclass
