@@ -150,7 +150,7 @@ class Orchestrator:
     # -- the run -----------------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Train for the configured rounds (or until the target, if asked) and write the run's outputs."""
-        weights, elapsed_s = self._start()
+        weights, elapsed_s = self._prepare()
         # the server's test set, evaluated beside the next round (none: the devices evaluate)
         evaluations = EvaluationWorker(self.evaluator) if self.evaluator and self.eval_mode != "clients" else None
         self.live.start()
@@ -163,7 +163,7 @@ class Orchestrator:
             self._close(evaluations)
         return self.recorder.summarize(weights, self.strategy, self.num_params, self.summary_extra)
 
-    def _start(self) -> tuple[np.ndarray, float]:
+    def _prepare(self) -> tuple[np.ndarray, float]:
         """Set the strategy up, take the starting model (fresh, or an unfinished run's from its checkpoint), bring the
         link up and say the server's presence. The starting model and the run's elapsed seconds."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
