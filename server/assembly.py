@@ -19,16 +19,9 @@ from server.config import ConfigError, RunConfig
 from server.datasets import NO_DATA, DatasetBundle, load_dataset, split_root
 from server.deadlines import DeviceTimes
 from server.evaluation import Evaluator
-from server.orchestrator import Orchestrator, RoundObserver, train_settings
-from server.strategies import Strategy, make_strategy
+from server.orchestrator import Orchestrator, RoundObserver
+from server.strategies import build_strategy
 from server.target import Target, eval_mode, run_target
-
-
-def build_strategy(config: RunConfig) -> Strategy:
-    """The configured strategy; building it checks what the contract alone cannot (e.g. FedVeca's tau bounds)."""
-    t = config.train
-    return make_strategy(t.algorithm, train_settings(config), config.algorithm_params(), config.run.seed,
-                         rounds=config.run.rounds)  # fmt: skip
 
 
 def model_spec(config: RunConfig, bundle: DatasetBundle | None) -> dict[str, Any]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from server.strategies import Strategy
 #: wait for devices to register (none of them changes what the run computes).
 RESUMABLE_CHANGES = ("broker.", "run.out", "clients.register_timeout_s")
 STATE_PREFIX = "strategy."
+log = logging.getLogger("edgefl.server")
 
 
 def config_identity(config: RunConfig) -> dict[str, Any]:
@@ -63,7 +66,7 @@ def unpack_state(strategy: Strategy, saved: Any) -> None:
 
 @dataclass
 class Resumed:
-    """Where an unfinished run stopped."""
+    """Where an unfinished run stopped (round 0: where a fresh run starts)."""
 
     weights: np.ndarray
     round: int
@@ -99,6 +102,17 @@ class Checkpoint:
         with np.load(self.path) as saved:
             entries = {k: saved[k] for k in saved.files}
         self._write({**entries, "finished": True})
+
+    def start(self, strategy: Strategy, weights: np.ndarray) -> Resumed:
+        """Where the run starts: the unfinished run in ``out_dir``, its strategy state restored (after
+        ``strategy.setup``, whose initial state it overwrites), or afresh from ``weights`` with a new run id."""
+        resumed = self.load(strategy, weights.size)
+        if resumed is None:
+            return Resumed(weights, 0, 0, uuid.uuid4().hex[:12])
+        log.warning("resuming run %s from round %d (checkpoint %s, model version %d): rounds %d-%d to go",
+                    resumed.run_id, resumed.round, self.path, resumed.model_version, resumed.round + 1,
+                    self.config.run.rounds)  # fmt: skip
+        return resumed
 
     def load(self, strategy: Strategy, num_params: int) -> Resumed | None:
         """The unfinished run to continue, its strategy state restored (after ``strategy.setup``), or None."""

@@ -111,7 +111,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
 def _config(args: argparse.Namespace) -> RunConfig:
     """The validated configuration, the algorithm and its settings included, before anything is started."""
     from edge_client.factories import AllowedCode
-    from server.assembly import build_strategy
+    from server.strategies import build_strategy
 
     AllowedCode.of(args.model_path or ()).activate()
     flags = {k: v for k, v in vars(args).items() if "__" in k}

@@ -45,6 +45,7 @@ from edge_client.algorithms import CONTRACTS, contract_of
 from server.buffered.staleness import MODES, STALENESS_WEIGHTS
 from server.device_profiles import fleet_size, profiles
 from server.dp.settings import PrivacySection, privacy_refusal
+from server.strategies.base import TrainSettings
 from server.strategies.store import DEFAULT_RAM_BYTES
 
 INF_OFF = "inf_off"  # field metadata: what ``inf`` means for a float key that may be infinite
@@ -225,6 +226,11 @@ class RunConfig:
 
     def algorithm_params(self) -> dict[str, Any]:
         return dict(self.algorithm.get(self.train.algorithm, {}))
+
+    def train_settings(self) -> TrainSettings:
+        """The run-wide training settings every strategy starts from (``[train]`` and ``clients.fraction``)."""
+        t = self.train
+        return TrainSettings(t.local_steps, t.lr, t.batch_size, self.clients.fraction, t.momentum, t.weight_decay)
 
     def bounds(self) -> list[tuple[str, bool, str]]:
         """``(section.key, holds, what it must be)`` for every bounded key: validate() refuses the first that does not

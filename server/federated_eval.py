@@ -22,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.messages import Evaluation
-from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound, ProtocolError
+from edge_client.messages import Evaluate, Evaluation
+from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound, ProtocolError, encode
 from edge_client.tasks import Task, combine_reports
 from server.admission import WrongSampleCount
 from server.config import EvalSection
+from server.roster import Roster
 from server.weight_share import capped_counts
 
 log = logging.getLogger("edgefl.server")
@@ -70,6 +71,25 @@ class FederatedEvaluation:
                 "--holdout 0.1)", ", ".join(pool),
             )  # fmt: skip
         return chosen
+
+    def evaluate(self, request: Evaluate, candidates: list[str], selected: set[str], roster: Roster,
+                 pump: Callable[[float], None]) -> dict[str, Any]:  # fmt: skip
+        """Ask the devices (``devices``) to evaluate the request's weights on their held-out splits and combine their
+        reports: the round's ``client_eval`` (none if no report came) and ``client_eval_wait_s`` (server clock:
+        request, evaluation, reports). The request carries the weights: devices evaluate the model they trained from
+        only when it is current."""
+        t0 = time.monotonic()
+        asked = self.devices(candidates, selected, {c: record.eval_samples for c, record in roster.clients.items()})
+        frame = encode(request)
+        for cid in asked:
+            roster.link.publish(roster.topics.down(cid), frame)
+        state = EvalRound(request.round, set(asked))
+        self.collect(state, pump, roster.is_online)
+        combined = self.result(state)
+        return {
+            "client_eval_wait_s": time.monotonic() - t0,
+            **({"client_eval": combined} if combined is not None else {}),
+        }
 
     def collect(self, state: EvalRound, pump: Callable[[float], None], online: Callable[[str], bool]) -> None:
         """Receive until every asked device reported, failed or went offline, or the deadline passed."""

@@ -93,6 +93,7 @@ class Recorder:
         task_name: str,
         privacy: Privacy,
         observer: RoundObserver | None = None,
+        secure: bool = False,
     ) -> None:
         self.out_dir = out_dir
         self.stop_at_target = stop_at_target  # run.stop_at_target: stop after the round that reached the target
@@ -106,6 +107,7 @@ class Recorder:
         self.reports = reports
         self.task_name = task_name
         self.privacy = privacy  # epsilon spent, in every row and the summary
+        self.secure = secure  # [privacy] secure_aggregation: the summary counts the rounds aggregated securely
         self.observer: RoundObserver = observer or Silent()
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
         self.best: float | None = None
@@ -266,6 +268,8 @@ class Recorder:
             self.roster.model_spec, weights, self.out_dir / "model-final.onnx", round=len(rows), task=self.task_name
         )
         rejected = sum((Counter(r["rejected"]) for r in rows), Counter()) + self.unreported_rejections
+        if self.secure:
+            extra = {**extra, "secure_rounds": sum(1 for r in rows if "secure" in r and not r.get("dropped"))}
         classes = {cid: device_class(record.device) for cid, record in clients.items()}
         summary = summarize(
             rows,

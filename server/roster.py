@@ -6,21 +6,24 @@ server's retained presence, e.g. on another cluster node) is sent that presence 
 ``PRESENCE_REPLY_S`` per device, so a device answering every presence with a bare hello is no loop. A device refused
 at registration while it serves a round stays known, refused and offline, until that round closes, so no lookup of
 the round loses it. The roster is kept apart from the round loop so that any loop (rounds, buffered) registers devices
-the same way.
+the same way, waits for them the same way, and ends a run the same way: every device told to stop (``Stop``), the
+server's presence offline, retained (also its link's last will, ``server_link``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from edge_client.messages import Hello, Presence, Refusal
+from edge_client.messages import Hello, Presence, Refusal, Stop
 from edge_client.models import build_model, fingerprint, layout_difference, parameter_layout
 from edge_client.protocol import InvalidField, encode
 from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.transport import Link, LinkConfig, MqttLink
 from server.admission import RoundState, WrongSampleCount
 from server.live_state import LiveState
 
@@ -31,6 +34,15 @@ PRESENCE_REPLY_S = 10.0  # the least time between two presences sent to one devi
 def server_offline(reason: str, run_id: str = "") -> Presence:
     """The server's presence when it is gone: its last will (no run yet) or its goodbye at the end of a run."""
     return Presence(client_id="server", online=False, role="server", reason=reason, run_id=run_id)
+
+
+def server_link(config: LinkConfig, topics: Topics, spool_dir: Path, on_connect: Callable[[], None]) -> MqttLink:
+    """The server's connection: every device's uplink, the server's presence "offline" as its last will, and
+    ``on_connect`` (``Roster.announce``) on every (re)connect; the updates that arrive at once wait in ``spool_dir``,
+    not in memory. An injected link (in-process) has no such hook: the loop announces once it starts it."""
+    will = (topics.server, encode(server_offline("connection lost")), True)
+    return MqttLink(config, f"edgefl-server-{topics.job}", [topics.all_up], will=will, on_connect=on_connect,
+                    spool_dir=spool_dir)  # fmt: skip
 
 
 @dataclass
@@ -77,6 +89,14 @@ class Roster:
         """Online, retained: on every (re)connect, so the last will's retained 'offline' never outlives a reconnect
         and devices learn the current run (and send again what this server may have lost)."""
         self.link.publish(self.topics.server, encode(self.server_presence()), retain=True)
+
+    def goodbye(self, stopped: BaseException | None) -> None:
+        """The end of the run: every device is told to stop and why (finished, or ``stopped`` by Ctrl-C, kill or an
+        error), and the server's presence goes offline, retained; both are waited for (up to 5 s)."""
+        reason = "training finished" if stopped is None else f"interrupted ({stopped or type(stopped).__name__})"
+        self.link.publish(self.topics.broadcast, encode(Stop(reason=reason[:200], run_id=self.run_id)))
+        self.link.publish(self.topics.server, encode(server_offline("stopped", self.run_id)), retain=True)
+        self.link.wait_published(timeout=5.0)
 
     # -- devices -----------------------------------------------------------------------------------------------------
     def register(self, sender: str, hello: Hello, state: RoundState | None) -> None:
@@ -162,6 +182,24 @@ class Roster:
 
     def online(self) -> list[str]:
         return sorted(c for c, rec in self.clients.items() if rec.online)
+
+    def wait_for(self, count: int, timeout_s: float, pump: Callable[[float], None], waiting: Callable[[str], None]
+                 ) -> None:  # fmt: skip
+        """Handle messages (``pump``) until ``count`` devices are online, saying so (``waiting``); TimeoutError after
+        ``timeout_s`` (``clients.register_timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.online()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(self.online())} of {count} clients registered within {timeout_s:.0f} s "
+                    f"({self.online()}); start more clients or lower clients.min_clients"
+                )
+            waiting(f"waiting for clients: {len(self.online())}/{count} registered")
+            pump(0.5)
+
+    def samples(self, devices: Iterable[str]) -> dict[str, int]:
+        """The training samples each of ``devices`` registered with."""
+        return {c: self.clients[c].num_samples for c in devices}
 
     def is_online(self, cid: str) -> bool:
         """Whether ``cid`` is registered and online (a refused or forgotten device is not)."""

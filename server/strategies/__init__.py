@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.strategies.base import ServerContext, Strategy, TrainSettings
 from server.strategies.drag import Drag
@@ -20,6 +20,9 @@ from server.strategies.scaffold_taco import ScaffoldTaco
 from server.strategies.stem import Stem
 from server.strategies.taco import Taco
 
+if TYPE_CHECKING:  # at run time a circle: server.config imports this package's store, which runs this file first
+    from server.config import RunConfig
+
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.contract.name: cls
     for cls in (
@@ -28,7 +31,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     )
 }  # fmt: skip
 
-__all__ = ["STRATEGIES", "ServerContext", "Strategy", "TrainSettings", "make_strategy"]
+__all__ = ["STRATEGIES", "ServerContext", "Strategy", "TrainSettings", "build_strategy", "make_strategy"]
 
 
 def make_strategy(
@@ -43,3 +46,10 @@ def make_strategy(
     if rounds and any(s.name == "rounds" for s in cls.contract.settings) and not params.get("rounds"):
         params["rounds"] = rounds
     return cls(settings, params, seed)
+
+
+def build_strategy(config: RunConfig) -> Strategy:
+    """The configured strategy (``train.algorithm``, its ``[algorithm.<name>]`` settings, ``config.train_settings()``);
+    building it checks what the contract alone cannot (e.g. FedVeca's tau bounds)."""
+    return make_strategy(config.train.algorithm, config.train_settings(), config.algorithm_params(), config.run.seed,
+                         rounds=config.run.rounds)  # fmt: skip
