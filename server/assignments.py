@@ -76,7 +76,7 @@ class Assignments:
         state.assigned_steps.update({cid: plan.steps for cid, plan in plans.items()})
         self.times.round_started()
         sha256 = self.distribution.publish(state.round, state.model_version, weights, plans, run_id)  # the model, once
-        facts = {cid: self._facts(strategy, state, cid, sha256, run_id, secure.get(cid, {})) for cid in plans}
+        facts = {cid: self.facts(strategy, state, cid, sha256, run_id, secure.get(cid, {})) for cid in plans}
         told: dict[str, Any] = {}
         for cid, (assignment, size) in self.distribution.send(plans, facts).items():
             self.times.sent(cid)
@@ -84,13 +84,14 @@ class Assignments:
             told[cid] = {**assignment_summary(plans[cid], facts[cid]), **self.codecs.describe(cid), "bytes_down": size}
         return told, {cid: p and p.row() for cid, p in predictions.items()}
 
-    def _facts(self, strategy: Strategy, state: RoundState, cid: str, sha256: str, run_id: str,
-               secure: dict[str, Any]) -> RoundFacts:  # fmt: skip
-        """``cid``'s facts of the round, its upload codec noted in ``state``; its uplink counted from here on."""
+    def facts(self, strategy: Strategy, state: RoundState, cid: str, sha256: str, run_id: str,
+              secure: dict[str, Any] | None = None) -> RoundFacts:  # fmt: skip
+        """``cid``'s facts of the round (or of a buffered loop's aggregation step), its upload codec noted in
+        ``state``; its uplink counted from here on."""
         state.codecs[cid] = self.codecs.codec_for(cid)
         self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
         return RoundFacts(
             round=state.round, model_version=state.model_version, sha256=sha256, deadline_s=state.deadline_s,
             codec=str(state.codecs[cid]), upload=cid in state.selected, run_id=run_id, algorithm=strategy.name,
-            model=self.model_spec, task=self.config.task, seed=self.config.run.seed, secure=secure,
+            model=self.model_spec, task=self.config.task, seed=self.config.run.seed, secure=secure or {},
         )  # fmt: skip

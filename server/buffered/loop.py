@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.messages import Failure, Hello, Message, Resync, RoundFacts, Update
+from edge_client.messages import Failure, Hello, Message, Resync, Update
 from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, OutOfRound, ProtocolError
 from server.admission import RoundState
 from server.buffered.clock import EventClock
@@ -223,15 +223,10 @@ class BufferedOrchestrator(Orchestrator):
         step = self.step
         plan = self.strategy.assign(step, cid)
         plan.steps = steps = self.steps_policy.steps(cid, plan.steps)
-        codec = self.codecs.codec_for(cid)
         sha256 = self.distribution.publish(step, self.version, self.weights, {cid: plan}, self.run_id)  # once a version
-        facts = RoundFacts(
-            round=step, model_version=self.version, sha256=sha256, deadline_s=self.config.clients.round_deadline_s,
-            codec=str(codec), upload=True, run_id=self.run_id, algorithm=self.strategy.name, model=self.model_spec,
-            task=self.config.task, seed=self.config.run.seed,
-        )  # fmt: skip
-        state = RoundState(step, self.version, {cid}, assigned_steps={cid: steps}, codecs={cid: codec})
-        self.link.take_bytes_in(self.topics.up(cid))  # bytes_up counts what arrives from here on
+        state = RoundState(step, self.version, {cid}, assigned_steps={cid: steps},
+                           deadline_s=self.config.clients.round_deadline_s)  # fmt: skip
+        facts = self.assignments.facts(self.strategy, state, cid, sha256, self.run_id)
         size = self.distribution.send({cid: plan}, {cid: facts})[cid][1]
         if self.distribution.model_bytes:  # this version's broadcast, which every device it goes to downloads
             self._broadcast_bytes = self.distribution.model_bytes
