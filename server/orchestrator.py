@@ -135,9 +135,8 @@ class Orchestrator:
         if config.privacy.secure_aggregation:
             from server.secagg.stages import SecureRounds  # needs the cryptography package
 
-            per_step = self.strategy.contract.needs == "mean_per_step"
             self.secure = SecureRounds(
-                config.privacy, self.link, self.topics, self.num_params, self.times.arrived, per_step
+                config.privacy, self.link, self.topics, self.num_params, self.times.arrived, self.strategy.contract
             )
         self.dispatch = self.dispatch_class(
             self, self.link, self.topics, self.roster, self.live, distribution=self.distribution, times=self.times,
@@ -333,7 +332,7 @@ class Orchestrator:
             registered = {c: self.clients[c].num_samples for c in selected}
             weighting = self.strategy.params.get("weighting", "samples")
             secure = self.secure.begin(round_, self.run_id, version, registered, weighting,
-                                       self.config.clients.max_weight_share)  # fmt: skip
+                                       self.config.clients.max_weight_share, plans)  # fmt: skip
         sha256 = self.distribution.publish(round_, version, weights, plans, self.run_id)  # the model, once
         facts = {}
         for cid, plan in plans.items():
