@@ -181,7 +181,7 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
 # ------------------------------------------------------------------------------------------- config and contracts
 def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_device_values() -> None:
     from edge_client.algorithms import CONTRACTS
-    from edge_client.contract import secure_refusal
+    from edge_client.contract import Array, Contract, secure_refusal
     from server.config import ConfigError, from_dict
 
     on = {"secure_aggregation": True, "clip_norm": 5.0}
@@ -189,6 +189,10 @@ def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_d
     accepted = {n for n, c in CONTRACTS.items() if not secure_refusal(c)}
     assert accepted == {"fedavg", "fedprox", "fedacg", "fedumf", "fednova", "scaffold", "stem"}
     assert from_dict({"privacy": on, "train": {"algorithm": "scaffold"}}).train.algorithm == "scaffold"
+    assert CONTRACTS["scaffold"].summed == (("delta", "weighted"), ("delta_c", "plain"))
+    assert CONTRACTS["fednova"].summed == (("delta", "per_step"),)
+    with pytest.raises(ValueError, match="how it is summed"):  # a sum the contract does not say how to take
+        Contract("x", "an algorithm", returns=(Array("a", "an array"),), needs="sums")
     for algorithm, why in [("taco", "per-device values"), ("foolsgold", "per-device"), ("scaffold-taco", "alpha_i")]:
         with pytest.raises(ConfigError, match=f"privacy.secure_aggregation.*{algorithm}.*{why}.*use fedavg"):
             from_dict({"privacy": on, "train": {"algorithm": algorithm}})
@@ -270,7 +274,7 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     monkeypatch.setattr(inprocess, "behaviour", recording)
     monkeypatch.setattr(stages, "unmask", unmasked)
     monkeypatch.setattr(stages.SecureRounds, "begin", begun)
-    clip_norm = 0.5 if algorithm == "scaffold" else 2.0
+    clip_norm = 0.1 if algorithm == "scaffold" else 2.0
     privacy = {"secure_aggregation": True, "clip_norm": clip_norm, "threshold": 2}
     if dp:  # central DP with its noise added by the devices in shares (docs/privacy.md): in the deltas recorded
         privacy |= {"mode": "central", "noise_multiplier": 0.5}
