@@ -269,8 +269,6 @@ fi
 # --- 2. the installer, with edge-client check under emulation ----------------------------------------------------
 RUN=$WORKDIR/run
 DEVICE=qemu-pi PEER=pi-02 JOB=qemu-smoke
-PACKAGE=edgefl-mqtt
-[ "$SECURE" -eq 0 ] || PACKAGE="edgefl-mqtt[secure]"
 VENV=$ROOTFS/opt/edgefl/venv
 rm -rf "$RUN"
 mkdir -p "$RUN"
@@ -332,7 +330,12 @@ np.savez(sys.argv[1], x=test.x[:200], y=test.y[:200])
 PY
 emulated install bash "$HERE/install-edge-client.sh" --root "$ROOTFS" --python "$EMULATED" --wheels "$BUNDLE" \
     --broker "$URL" --client-id "$DEVICE" --password-file "$RUN/device.pw" --data "/var/lib/edgefl/$DEVICE.npz" \
-    --job "$JOB" --threads 2 --no-start --package "$PACKAGE"
+    --job "$JOB" --threads 2 --no-start
+if [ "$SECURE" -eq 1 ]; then # the extra from the bundle, into the installed venv (the installer's --package
+    # 'edgefl-mqtt[secure]' left edgefl-mqtt itself out under bookworm's pip 23.0.1 here: its dependencies only)
+    emulated secure-extra "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$BUNDLE" \
+        --constraint "$BUNDLE/constraints.txt" "edgefl-mqtt[secure]"
+fi
 CLIENT_FLAGS=(--broker "$URL" --client-id "$DEVICE" --password-file "$ROOTFS/etc/edgefl/password" --job "$JOB")
 
 # --- 3. a real server, the emulated client -------------------------------------------------------------------------

@@ -87,8 +87,8 @@ def test_the_secure_extra_installs_from_the_bundle_and_a_masked_round_runs(emula
     if not list(BUNDLE.glob("cryptography-*aarch64*.whl")):
         pytest.fail(f"{BUNDLE} has no cryptography wheel: make-wheel-bundle.sh --secure --out {BUNDLE} adds it")
     result = subprocess.run(
-        ["bash", REPO / "firmware_scripts/qemu-smoke.sh", "--secure", "--no-footprint", "--rounds", "1",
-         "--local-steps", "20", "--bundle", BUNDLE, "--workdir", WORKDIR],
+        ["bash", REPO / "firmware_scripts/qemu-smoke.sh", "--secure", "--no-footprint", "--bundle", BUNDLE,
+         "--workdir", WORKDIR],
         capture_output=True, text=True, timeout=3600, check=False,
     )  # fmt: skip
     out = result.stdout
