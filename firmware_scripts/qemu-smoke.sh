@@ -331,8 +331,7 @@ PY
 emulated install bash "$HERE/install-edge-client.sh" --root "$ROOTFS" --python "$EMULATED" --wheels "$BUNDLE" \
     --broker "$URL" --client-id "$DEVICE" --password-file "$RUN/device.pw" --data "/var/lib/edgefl/$DEVICE.npz" \
     --job "$JOB" --threads 2 --no-start
-if [ "$SECURE" -eq 1 ]; then # the extra from the bundle, into the installed venv (the installer's --package
-    # 'edgefl-mqtt[secure]' left edgefl-mqtt itself out under bookworm's pip 23.0.1 here: its dependencies only)
+if [ "$SECURE" -eq 1 ]; then # the extra from the bundle, into the installed venv
     emulated secure-extra "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$BUNDLE" \
         --constraint "$BUNDLE/constraints.txt" "edgefl-mqtt[secure]"
 fi
