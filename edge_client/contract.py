@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 #: update or gradient of the shipped models (MNIST deltas and gradients stay below 10), low enough to stop a blown-up
 #: or malicious one. Each array's bound can be overridden per algorithm (``max_norm_<array>``).
 DEFAULT_MAX_NORM = 1e4
+#: How secure aggregation sums one uploaded array (``Array.summed``, ``Contract.summed``), so that the server half
+#: gets what it would have computed from the plain updates: ``weighted`` by the round's weights (each device's share
+#: of the samples, or an equal share: the weighted mean comes back), ``per_step`` the same after each device divided
+#: by its steps (FedNova's delta), ``plain`` with equal weights (the mean over the devices that took part comes back,
+#: which the server half sums back to their plain sum: SCAFFOLD's delta_c).
+SUMMED = ("weighted", "per_step", "plain")
 
 
 class ContractError(ValueError):
@@ -125,7 +131,9 @@ class Array:
     ``max_norm`` bounds the L2 norm of what a device sends (configurable as ``max_norm_<name>``); ``scope`` says
     whether the server sends the same vector to every client of a round (``"global"``) or one per client. ``codec``
     says which upload codecs a device may apply to it (one of ``edge_client.codecs.RULES``; arrays the server sends
-    always travel as float32): ``exact`` unless the algorithm stays correct with less.
+    always travel as float32): ``exact`` unless the algorithm stays correct with less. ``summed``: how secure
+    aggregation sums an array a device returns, one of ``SUMMED`` (a contract that ``needs`` ``sums`` declares it for
+    every returned array).
     """
 
     name: str
@@ -134,10 +142,13 @@ class Array:
     required: bool = True
     scope: str = "client"
     codec: str = "exact"
+    summed: str = ""
 
     def __post_init__(self) -> None:
         if self.codec not in RULES:
             raise ValueError(f"array {self.name!r}: codec {self.codec!r} is not one of {list(RULES)}")
+        if self.summed and self.summed not in SUMMED:
+            raise ValueError(f"array {self.name!r}: summed {self.summed!r} is not one of {SUMMED}")
 
 
 #: The update every algorithm uploads beside its contract's arrays: any codec, with error feedback for top-k.
@@ -153,18 +164,13 @@ def weighting(default: str) -> Setting:
 
 
 NEEDS = ("mean", "mean_per_step", "sums", "per_device")  # Contract.needs
-CARRIED = ("mean", "mean_per_step")  # what secure aggregation carries
+CARRIED = ("mean", "mean_per_step", "sums")  # what secure aggregation carries
 
 
 def secure_refusal(contract: Contract) -> str:
     """Why secure aggregation cannot carry ``contract``'s algorithm ("" when it can)."""
     if contract.needs in CARRIED:
         return ""
-    if contract.needs == "sums":
-        return (
-            f"{contract.name} needs only sums, but of more than one vector ({contract.needs_why}); this version's "
-            "secure aggregation masks the delta alone"
-        )
     return f"{contract.name} needs per-device values ({contract.needs_why}), which secure aggregation hides"
 
 
@@ -188,8 +194,9 @@ class Contract:
     them but never raise them. ``needs``: what the server half needs of what devices upload, which decides whether
     secure aggregation (it reveals only a sum) can carry it: ``mean`` (only the weighted mean of the deltas: carried),
     ``mean_per_step`` (only the weighted mean of each delta divided by its steps, and the steps: carried, each device
-    divides before masking), ``sums`` (only weighted sums, of more than that: not carried by this version) or
-    ``per_device`` (values of one device apart); ``needs_why`` says which values for the last two. ``buffered``: the
+    divides before masking), ``sums`` (sums of the delta and of every returned array, each as its ``Array.summed``
+    says: carried, all masked as one vector) or ``per_device`` (values of one device apart; ``needs_why`` says
+    which: refused). ``buffered``: the
     server half may aggregate updates trained on older model versions as they arrive (``train.mode = "buffered"``,
     ``server.buffered``); ``buffered_why`` says why it can or cannot, in words the config error and docs/algorithms.md
     repeat.
@@ -222,6 +229,8 @@ class Contract:
         )  # fmt: skip
         if self.needs not in NEEDS or (self.needs in CARRIED) == bool(self.needs_why):
             raise ValueError(f"{self.name}: needs must be one of {NEEDS}, with needs_why exactly when not {CARRIED}")
+        if self.needs == "sums" and not all(a.summed for a in self.returns):
+            raise ValueError(f"{self.name}: needs 'sums', so every returned array must declare how it is summed")
         settings = self.settings + bounds
         names = [s.name for s in settings] + [v.name for v in self.sends_values]
         if len(set(names)) != len(names):
@@ -232,6 +241,13 @@ class Contract:
     def uploads(self) -> tuple[Array, ...]:
         """Every vector a device uploads: the update's ``delta``, then the contract's arrays."""
         return (UPDATE_DELTA, *self.returns)
+
+    @property
+    def summed(self) -> tuple[tuple[str, str], ...]:
+        """What secure aggregation masks, in order, as ``(array, how)`` (``SUMMED``): the update's ``delta``, then
+        the returned arrays when the server half ``needs`` their sums. A device masks them as one vector."""
+        delta = (UPDATE_DELTA.name, "per_step" if self.needs == "mean_per_step" else "weighted")
+        return (delta, *((a.name, a.summed) for a in self.returns if self.needs == "sums"))
 
     def codec_rule(self, array: str) -> str:
         """Which codecs ``array`` may be uploaded with (``Array.codec``); ``exact`` for one not declared."""

@@ -27,6 +27,11 @@ def noise_rng() -> np.random.Generator:
     return np.random.default_rng(secrets.randbits(128))
 
 
+def noise_std(settings: Mapping[str, Any]) -> float:
+    """The std of the Gaussian noise the plan's settings tell the device to add (0: none)."""
+    return float(settings.get("dp_noise_std", 0.0))
+
+
 def privatize(
     settings: Mapping[str, Any], delta: np.ndarray, arrays: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, int]]:
@@ -43,7 +48,7 @@ def privatize(
         raise ValueError("the update is not finite; nothing to clip")
     scale = np.float32(clip / norm * CLIP_MARGIN if norm > clip else 1.0)
     out = [v * scale for v in vectors]
-    std = float(settings.get("dp_noise_std", 0.0))
+    std = noise_std(settings)
     if std > 0:
         rng = noise_rng()
         for v in out:

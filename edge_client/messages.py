@@ -495,7 +495,8 @@ class SecAggRelay:
 @dataclass
 class MaskedInput:
     """Device -> server, stage 3: its clipped, weighted, quantised update plus its masks (``data``: little-endian
-    uint32 ring elements, one per parameter), with the round's scalars an ``Update`` carries."""
+    uint32 ring elements, one per parameter of each array its contract sums, ``Contract.summed``: the delta, and
+    SCAFFOLD's ``delta_c`` or STEM's ``v`` after it), with the round's scalars an ``Update`` carries."""
 
     round: int = on_wire(NONNEG, note=SECURE_ROUND)
     model_version: int = on_wire(NONNEG, note="the round's model version, else model_version")
@@ -504,7 +505,9 @@ class MaskedInput:
     compute_s: float = on_wire(number(0.0))
     cpu_s: float = on_wire(number(0.0))
     train_loss: float = on_wire(number(finite=False))
-    data: memoryview | bytes = blob("4 bytes per model parameter (any values: masked), else shape")
+    data: memoryview | bytes = blob(
+        "4 bytes per model parameter and array the algorithm sums (any values: masked), else secagg_message"
+    )
     metrics: dict[str, Any] = on_wire(
         FreeMap(max_bytes=8192, nested=True), factory=dict, note="stored in metrics.jsonl and the dashboard"
     )

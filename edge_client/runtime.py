@@ -25,6 +25,7 @@ from edge_client.algorithms import client_algorithm
 from edge_client.algorithms.base import ClientAlgorithm
 from edge_client.compression import Uplink
 from edge_client.data import ArrayDataset, BatchSampler
+from edge_client.dp import noise_std
 from edge_client.factories import NOTHING, AllowedCode
 from edge_client.flat import FlatModel
 from edge_client.messages import (
@@ -483,10 +484,15 @@ class EdgeClient:
             "last_upload": self._last_upload,
         }
         if self._secure is not None and facts.secure:  # no update: the masked input goes in the stages
-            self._save_state(facts.algorithm, algorithm)
             scalars = {"local_steps": result.local_steps, "compute_s": result.compute_s, "cpu_s": result.cpu_s,
                        "train_loss": result.train_loss, "metrics": metrics}  # fmt: skip
-            self._secure.trained(result.delta, scalars, algorithm.contract.needs == "mean_per_step")
+            contract = algorithm.contract
+            sent = self._secure.trained({"delta": result.delta, **result.arrays}, contract.summed,
+                                        noise_std(plan.settings), scalars)  # fmt: skip
+            committed = {k: v for k, v in sent.items() if contract.codec_rule(k) == "commit"}
+            if committed:  # what the sum holds of it (clipped, quantised), as after a lossy codec
+                algorithm.uploaded(committed)
+            self._save_state(facts.algorithm, algorithm)
             self._mark_served(assignment)
             log.info("round %d: %d steps in %.3f s, loss %.4f; the masked input follows the secure stages",
                      facts.round, result.local_steps, result.compute_s, result.train_loss)  # fmt: skip

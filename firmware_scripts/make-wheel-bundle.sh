@@ -27,6 +27,9 @@ Usage: $PROG [options]
   --resolver uv|pip     uv (default): resolve for aarch64 markers, then pip download --no-deps the lock;
                         pip: pip download with the explicit pins only (markers evaluated for THIS machine)
   --uv PATH             uv binary (default: uv on PATH, else pip-installed into a temporary venv)
+  --secure              include the device package's extra "secure" (secure aggregation: the cryptography wheel for
+                        aarch64 and what it needs); install it with install-edge-client.sh --package
+                        'edgefl-mqtt[secure]'
   --known-bad           accept torch 2.10 and onnxruntime 1.21.0, which die with SIGILL on a Pi 4, overriding
                         edgefl's own pins (uv --override): only to build the negative control of qemu-smoke.sh,
                         which must fail on such a bundle, naming the wheel. install-edge-client.sh refuses it.
@@ -36,7 +39,7 @@ The bundle holds the wheels, requirements.lock (what was resolved) and constrain
 EOF
 }
 
-OUT=wheels-aarch64 PROJECT=$(dirname "$HERE") PY=python3 PYVER=3.11 RESOLVER=uv UV="" DRY=0 KNOWN_BAD=0
+OUT=wheels-aarch64 PROJECT=$(dirname "$HERE") PY=python3 PYVER=3.11 RESOLVER=uv UV="" DRY=0 KNOWN_BAD=0 EXTRAS=""
 TORCH="torch==2.9.1" ORT="onnxruntime>=1.21.1" NUMPY="numpy<2.5"
 need_arg() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ "$#" -gt 0 ]; do
@@ -51,6 +54,7 @@ while [ "$#" -gt 0 ]; do
         --resolver) need_arg "$@"; RESOLVER=$2; shift 2 ;;
         --uv) need_arg "$@"; UV=$2; shift 2 ;;
         --known-bad) KNOWN_BAD=1; shift ;;
+        --secure) EXTRAS="[secure]"; shift ;;
         --dry-run) DRY=1; shift ;;
         -h | --help) usage; exit 0 ;;
         *) usage >&2; die "unknown option: $1" ;;
@@ -118,9 +122,9 @@ if [ "$RESOLVER" = uv ]; then
         fi
     fi
     if [ "$DRY" -eq 0 ]; then
-        printf '%s\n' "$TORCH" "$ORT" "$NUMPY" "edgefl-mqtt @ file://$WHEEL" >"$OUT/requirements.in"
+        printf '%s\n' "$TORCH" "$ORT" "$NUMPY" "edgefl-mqtt$EXTRAS @ file://$WHEEL" >"$OUT/requirements.in"
     else
-        log "would write $OUT/requirements.in: $TORCH, $ORT, $NUMPY, edgefl-mqtt @ file://$WHEEL"
+        log "would write $OUT/requirements.in: $TORCH, $ORT, $NUMPY, edgefl-mqtt$EXTRAS @ file://$WHEEL"
     fi
     overrides=()
     if [ "$KNOWN_BAD" -eq 1 ]; then # edgefl's metadata excludes these pins: override it for the negative control
@@ -138,7 +142,7 @@ if [ "$RESOLVER" = uv ]; then
 else
     if [ "$DRY" -eq 0 ]; then printf '%s\n' "$TORCH" "$ORT" "$NUMPY" >"$OUT/constraints.txt"; fi
     run "$PY" -m pip download --quiet "${PIN_ARGS[@]}" -d "$OUT" -c "$OUT/constraints.txt" \
-        "$TORCH" "$ORT" "$NUMPY" "$WHEEL"
+        "$TORCH" "$ORT" "$NUMPY" "$WHEEL$EXTRAS"
 fi
 
 # 4. check the bundle
@@ -149,6 +153,8 @@ if [ "$DRY" -eq 0 ]; then
         -o "${sigill[@]}" \) -printf '%f\n')
     [ -z "$bad" ] || die "the bundle holds wheels that would not run on a Raspberry Pi 4: $bad"
     find "$OUT" -maxdepth 1 -name 'torch-*aarch64*.whl' | grep -q . || die "no aarch64 torch wheel in $OUT"
+    [ -z "$EXTRAS" ] || find "$OUT" -maxdepth 1 -name 'cryptography-*aarch64*.whl' | grep -q . ||
+        die "--secure: no aarch64 cryptography wheel in $OUT"
     log "bundle ready: $OUT ($(find "$OUT" -maxdepth 1 -name '*.whl' | wc -l) wheels, $(du -sh "$OUT" | cut -f1))"
     log "install on a device: install-edge-client.sh --wheels $OUT"
 fi

@@ -23,12 +23,15 @@ Usage: $PROG --bundle DIR [options]      the whole check (as root, on Debian)
 Steps of the whole check, with nothing on the emulated device but the bundle's wheels:
   1. every binary wheel of the bundle imported under emulation, one after another in one process, then one training
      step of the TACO CNN with the bundle's edgefl: a wheel built for newer ARM cores dies with SIGILL, and the
-     wheel is named (exit status 3);
+     wheel is named (exit status 3); with the cryptography wheel in the bundle, also a masked round of two devices
+     in memory (secure aggregation's X25519, HKDF, AES-GCM and ChaCha20 on the emulated CPU);
   2. install-edge-client.sh --root ROOT --wheels DIR (pip install --no-index), ending with edge-client check;
   3. a real edge-server run and its mosquitto on loopback (per-device login, the edgefl ACL); edge-client run joins
      and trains the TACO CNN on its MNIST shard for --rounds rounds; the server aggregates its updates;
   4. edge-client fetch-model and edge-client predict (onnxruntime) on MNIST test samples;
-  5. edge-client benchmark; 6. the footprint benchmark (python -m benchmarks.footprint) under emulation.
+  5. edge-client benchmark; 6. the footprint benchmark (python -m benchmarks.footprint) under emulation;
+  7. with --secure: the device installed with the extra "secure" from the bundle (make-wheel-bundle.sh --secure),
+     and one masked round (secure aggregation) of the emulated device and a second device on this machine.
 
 Options:
   --bundle DIR         wheel bundle from make-wheel-bundle.sh
@@ -40,6 +43,8 @@ Options:
   --local-steps N      local SGD steps per round (default: 100: two rounds take the CNN well above chance)
   --server-python PY   this machine's interpreter with edgefl-mqtt[server] (default: $REPO/.venv/bin/python)
   --no-footprint       skip step 6
+  --secure             install edgefl-mqtt[secure] (the bundle must hold the aarch64 cryptography wheel) and run
+                       step 7
   --fresh              rebuild the root
   -h, --help           this text
 Missing tools (qemu-user, mmdebstrap) are installed with apt-get --no-install-recommends: qemu-user recommends
@@ -49,7 +54,7 @@ EOF
 }
 
 BUNDLE="" WORKDIR=/var/tmp/edgefl-qemu SUITE=bookworm MIRROR=http://deb.debian.org/debian CPU=cortex-a72
-ROUNDS=2 STEPS=100 SERVER_PY=$REPO/.venv/bin/python FOOTPRINT=1 FRESH=0 MODE=full
+ROUNDS=2 STEPS=100 SERVER_PY=$REPO/.venv/bin/python FOOTPRINT=1 FRESH=0 MODE=full SECURE=0
 need_arg() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 while [ "$#" -gt 0 ]; do
     case "$1" in
@@ -62,6 +67,7 @@ while [ "$#" -gt 0 ]; do
         --local-steps) need_arg "$@"; STEPS=$2; shift 2 ;;
         --server-python) need_arg "$@"; SERVER_PY=$2; shift 2 ;;
         --no-footprint) FOOTPRINT=0; shift ;;
+        --secure) SECURE=1; shift ;;
         --root-only) MODE=root; shift ;;
         --probe-only) MODE=probe; shift ;;
         --fresh) FRESH=1; shift ;;
@@ -74,6 +80,8 @@ if [ "$MODE" != root ]; then
     [ -d "$BUNDLE" ] || die "--bundle $BUNDLE is not a directory"
     BUNDLE=$(cd "$BUNDLE" && pwd)
     find "$BUNDLE" -maxdepth 1 -name 'torch-*aarch64*.whl' | grep -q . || die "$BUNDLE holds no aarch64 torch wheel"
+    [ "$SECURE" -eq 0 ] || find "$BUNDLE" -maxdepth 1 -name 'cryptography-*aarch64*.whl' | grep -q . ||
+        die "--secure: $BUNDLE holds no aarch64 cryptography wheel (make-wheel-bundle.sh --secure)"
     [ -x "$SERVER_PY" ] || die "--server-python $SERVER_PY is not executable (bash scripts/setup.sh makes .venv)"
 fi
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer"
@@ -213,6 +221,26 @@ norm = float(np.linalg.norm(result.delta))
 assert np.isfinite(result.delta).all() and norm > 0, "the training step did not move the weights"
 print(f"ok training: loss {result.train_loss:.4f}, update norm {norm:.4g} over {result.delta.size} parameters,"
       f" torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+try:  # the extra "secure" (make-wheel-bundle.sh --secure): X25519, HKDF, AES-GCM and ChaCha20 on this CPU
+    import cryptography
+except ImportError:
+    print("no cryptography wheel in the bundle: no masked round (make-wheel-bundle.sh --secure adds it)", flush=True)
+    sys.exit(0)
+print("importing secure aggregation: one masked round of two devices in memory (edge_client.secagg)", flush=True)
+from edge_client.secagg import crypto
+from edge_client.secagg.device import DeviceRound
+from edge_client.secagg.ring import Ring
+ring, (a, b) = Ring(32, 10.0, 2), (DeviceRound(cid, "probe", 1) for cid in ("pi-a", "pi-b"))
+(_, to_b), (_, to_a) = a.share({"pi-b": b.keys()}, 2), b.share({"pi-a": a.keys()}, 2)
+a.receive({"pi-b": to_a["pi-a"]})
+b.receive({"pi-a": to_b["pi-b"]})
+qa, qb = ring.quantise(result.delta, 0.5), ring.quantise(-2 * result.delta, 0.5)
+total = ring.add(a.masked(qa, ring), b.masked(qb, ring))
+for d in (a, b):  # the self masks; the pairwise ones cancelled in the sum
+    total = ring.sub(total, crypto.mask(d.seed, total.size))
+assert (total == ring.add(qa, qb)).all() and not (a.masked(qa, ring) == qa).all(), "the masks did not cancel"
+print(f"ok secure aggregation: cryptography {cryptography.__version__}, two masked inputs of {total.size} parameters"
+      " unmask to their sum", flush=True)
 PY
 set +e
 PYTHONPATH=$PROBE/site "$EMULATED" "$PROBE/probe.py" "$PROBE/modules.tsv" >"$PROBE/probe.log" 2>&1
@@ -232,11 +260,15 @@ if [ "$rc" -ne 0 ]; then
     exit 1
 fi
 echo "  every binary wheel imports and the TACO CNN trains on an emulated $CPU"
+if [ "$SECURE" -eq 1 ] && ! grep -q '^ok secure aggregation' "$PROBE/probe.log"; then
+    echo "$PROG: error: --secure: the probe ran no masked round (is cryptography in the bundle?)" >&2
+    exit 1
+fi
 [ "$MODE" != probe ] || exit 0
 
 # --- 2. the installer, with edge-client check under emulation ----------------------------------------------------
 RUN=$WORKDIR/run
-DEVICE=qemu-pi JOB=qemu-smoke
+DEVICE=qemu-pi PEER=pi-02 JOB=qemu-smoke
 VENV=$ROOTFS/opt/edgefl/venv
 rm -rf "$RUN"
 mkdir -p "$RUN"
@@ -264,7 +296,7 @@ emulated() { # emulated LABEL CMD...: run a device command (emulated), its outpu
 
 step "2. broker (edge-server broker: per-device login, the edgefl ACL), the device's MNIST shard, the installer"
 bash "$HERE/uninstall-edge-client.sh" --root "$ROOTFS" --purge >/dev/null 2>&1 # the previous run's install
-"$SERVER_PY" -m server.cli broker --dir "$RUN/broker" --devices "$DEVICE" >"$RUN/broker.log" 2>&1 &
+"$SERVER_PY" -m server.cli broker --dir "$RUN/broker" --devices "$DEVICE,$PEER" >"$RUN/broker.log" 2>&1 &
 pids+=($!)
 deadline=$(($(date +%s) + 60))
 until [ -s "$RUN/broker/credentials.json" ]; do # written once mosquitto accepts connections
@@ -272,20 +304,21 @@ until [ -s "$RUN/broker/credentials.json" ]; do # written once mosquitto accepts
     kill -0 "${pids[0]}" 2>/dev/null || { cat "$RUN/broker.log" >&2; fail "edge-server broker exited"; }
     sleep 0.2 # poll interval
 done
-"$SERVER_PY" - "$RUN" "$DEVICE" <<'PY'
+"$SERVER_PY" - "$RUN" "$DEVICE" "$PEER" <<'PY'
 import json, os, sys
 from pathlib import Path
-run, device = Path(sys.argv[1]), sys.argv[2]
+run, device, peer = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 creds = json.loads((run / "broker" / "credentials.json").read_text())
 for name, text in (("url", creds["url"]), ("server.pw", creds["server"]["password"]),
-                   ("device.pw", creds["devices"][device]["password"])):
+                   ("device.pw", creds["devices"][device]["password"]),
+                   ("peer.pw", creds["devices"][peer]["password"])):
     fd = os.open(run / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.write(fd, (text + "\n").encode())
     os.close(fd)
 PY
 URL=$(cat "$RUN/url")
 echo "  mosquitto at $URL, logins edgefl-server and $DEVICE"
-"$SERVER_PY" -m server.cli partition --dataset mnist --ids "$DEVICE,pi-02,pi-03,pi-04,pi-05,pi-06,pi-07,pi-08,pi-09,pi-10" \
+"$SERVER_PY" -m server.cli partition --dataset mnist --ids "$DEVICE,$PEER,pi-03,pi-04,pi-05,pi-06,pi-07,pi-08,pi-09,pi-10" \
     --out "$RUN/shards" 2>/dev/null | tail -n1
 install -D -m 0644 "$RUN/shards/$DEVICE.npz" "$ROOTFS/var/lib/edgefl/$DEVICE.npz"
 "$SERVER_PY" - "$RUN/samples.npz" <<'PY'
@@ -298,6 +331,10 @@ PY
 emulated install bash "$HERE/install-edge-client.sh" --root "$ROOTFS" --python "$EMULATED" --wheels "$BUNDLE" \
     --broker "$URL" --client-id "$DEVICE" --password-file "$RUN/device.pw" --data "/var/lib/edgefl/$DEVICE.npz" \
     --job "$JOB" --threads 2 --no-start
+if [ "$SECURE" -eq 1 ]; then # the extra from the bundle, into the installed venv
+    emulated secure-extra "$VENV/bin/python" -m pip install --quiet --no-index --find-links "$BUNDLE" \
+        --constraint "$BUNDLE/constraints.txt" "edgefl-mqtt[secure]"
+fi
 CLIENT_FLAGS=(--broker "$URL" --client-id "$DEVICE" --password-file "$ROOTFS/etc/edgefl/password" --job "$JOB")
 
 # --- 3. a real server, the emulated client -------------------------------------------------------------------------
@@ -382,6 +419,41 @@ if [ "$FOOTPRINT" -eq 1 ]; then
     step "6. footprint under emulation: peak RSS (VmHWM) of the emulator process running each command"
     (cd "$REPO" && emulated footprint "$SERVER_PY" -m benchmarks.footprint --quick --client-python "$VENV/bin/python" \
         --out "$RUN/footprint")
+fi
+if [ "$SECURE" -eq 1 ]; then
+    step "7. one masked round (secure aggregation): the emulated device and $PEER (this machine), threshold 2"
+    sed -e 's/^rounds = .*/rounds = 1/' -e 's/^count = 1$/count = 2/' -e 's/^local_steps = .*/local_steps = 5/' \
+        -e "s|^out = .*|out = \"$RUN/secure\"|" "$RUN/server.toml" >"$RUN/secure.toml"
+    printf '\n[privacy]\nsecure_aggregation = true\nclip_norm = 10.0\nthreshold = 2\nstage_deadline_s = 600.0\n' \
+        >>"$RUN/secure.toml"
+    EDGEFL_PASSWORD=$(cat "$RUN/server.pw") "$SERVER_PY" -m server.cli run --config "$RUN/secure.toml" \
+        --broker "$URL" >"$RUN/secure.out" 2>&1 &
+    server_pid=$!
+    pids+=("$server_pid")
+    "$SERVER_PY" -m edge_client.cli run --broker "$URL" --client-id "$PEER" --password-file "$RUN/peer.pw" \
+        --job "$JOB" --data "$RUN/shards/$PEER.npz" --threads 1 --state-dir "$RUN/peer-state" --max-rounds 1 \
+        >"$RUN/peer.log" 2>&1 &
+    peer_pid=$!
+    pids+=("$peer_pid")
+    emulated secure "$VENV/bin/edge-client" run "${CLIENT_FLAGS[@]}" --data "$ROOTFS/var/lib/edgefl/$DEVICE.npz" \
+        --threads 2 --state-dir "$RUN/secure-state" --max-rounds 1
+    set +e
+    wait "$server_pid"
+    rc=$?
+    set -e
+    [ "$rc" -eq 0 ] || { tail -n 30 "$RUN/secure.out" >&2; fail "edge-server run (secure) exited with status $rc"; }
+    "$SERVER_PY" - "$RUN/secure" "$DEVICE" <<'PY' || fail "the round was not aggregated securely with the device"
+import json, sys
+from pathlib import Path
+out, device = Path(sys.argv[1]), sys.argv[2]
+[row] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+summary = json.loads((out / "summary.json").read_text())
+secure, costs = row.get("secure", {}), row["clients"].get(device, {}).get("device", {}).get("secagg", {})
+print(f"  secure_rounds {summary.get('secure_rounds')}, masked inputs {secure.get('masked')}, threshold"
+      f" {secure.get('threshold')}, the device's own seconds (emulated): "
+      + ", ".join(f"{k} {v:.3f}" for k, v in sorted(costs.items())))
+sys.exit(0 if summary.get("secure_rounds") == 1 and secure.get("masked") == 2 and "dropped" not in row else 1)
+PY
 fi
 step "OK: the bundle installs, trains against a real server and serves predictions on an emulated $CPU" \
     "($(date -u '+%Y-%m-%d %H:%M UTC'), $(($(date +%s) - T0)) s in all)"

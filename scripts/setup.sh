@@ -60,5 +60,5 @@ qemu_dir=${EDGEFL_QEMU_WORKDIR:-/var/tmp/edgefl-qemu}
 as_root=()
 [ "$(id -u)" -eq 0 ] || as_root=(sudo)
 "${as_root[@]}" bash firmware_scripts/qemu-smoke.sh --root-only --workdir "$qemu_dir"
-"${as_root[@]}" firmware_scripts/make-wheel-bundle.sh --out "$qemu_dir/bundle" --python .venv/bin/python 2>&1 | tail -n1
+"${as_root[@]}" firmware_scripts/make-wheel-bundle.sh --secure --out "$qemu_dir/bundle" --python .venv/bin/python 2>&1 | tail -n1
 echo "setup: ready (.venv/bin/edge-server, .venv/bin/edge-client)" >&2

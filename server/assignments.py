@@ -10,11 +10,13 @@ decides who is selected and when the round closes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from edge_client.messages import RoundFacts
+from edge_client.plan import Plan
 from edge_client.topics import Topics
 from edge_client.transport import Link
 from server.admission import RoundState
@@ -62,12 +64,13 @@ class Assignments:
         selected: list[str],
         train_only: list[str],
         run_id: str,
-        secure: dict[str, dict[str, Any]],
+        secure: Callable[[dict[str, Plan]], dict[str, dict[str, Any]]] | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Plan every device's round (steps fitted), set the round's deadline from what each of ``selected`` (the
         state's, in the strategy's order) is predicted to need (``server.deadlines``), publish the round's model once,
-        then send each device its plan and the round's facts (``secure``: each selected device's terms). What each
-        device was told, and each selected one's prediction."""
+        then send each device its plan and the round's facts (``secure``: each selected device's secure-aggregation
+        terms, from the plans, whose DP noise share the ring leaves room for). What each device was told, and each
+        selected one's prediction."""
         plans = {cid: strategy.assign(state.round, cid) for cid in [*selected, *train_only]}
         for cid, plan in plans.items():
             plan.steps = self.steps_policy.steps(cid, plan.steps)
@@ -75,8 +78,9 @@ class Assignments:
         state.deadline_s = round_deadline(self.config.clients, predictions)
         state.assigned_steps.update({cid: plan.steps for cid, plan in plans.items()})
         self.times.round_started()
+        terms = {} if secure is None else secure(plans)
         sha256 = self.distribution.publish(state.round, state.model_version, weights, plans, run_id)  # the model, once
-        facts = {cid: self.facts(strategy, state, cid, sha256, run_id, secure.get(cid, {})) for cid in plans}
+        facts = {cid: self.facts(strategy, state, cid, sha256, run_id, terms.get(cid, {})) for cid in plans}
         told: dict[str, Any] = {}
         for cid, (assignment, size) in self.distribution.send(plans, facts).items():
             self.times.sent(cid)

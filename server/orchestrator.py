@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,7 +119,7 @@ class Orchestrator:
             from server.secagg.stages import SecureRounds  # needs the cryptography package
 
             self.secure = SecureRounds(config.privacy, self.link, self.topics, self.num_params, self.times.arrived,
-                                       per_step=self.strategy.contract.needs == "mean_per_step")  # fmt: skip
+                                       self.strategy.contract)  # fmt: skip
         self.dispatch = self.dispatch_class(
             self, self.link, self.topics, self.roster, self.live, distribution=self.distribution, times=self.times,
             federated=self.federated, codecs=self.codecs,
@@ -255,7 +256,7 @@ class Orchestrator:
         state = self.current = RoundState(round_, version, set(selected))
         self.dispatch.limits.new_round()
         weighting = self.strategy.params.get("weighting", "samples")  # the secure terms: weight, clip norm, ring
-        secure = {} if self.secure is None else self.secure.begin(round_, self.run_id, version,
+        secure = None if self.secure is None else partial(self.secure.begin, round_, self.run_id, version,
             self.roster.samples(selected), weighting, self.config.clients.max_weight_share)  # fmt: skip
         told, predictions = self.assignments.send(self.strategy, state, weights, selected, train_only, self.run_id,
                                                   secure)  # fmt: skip

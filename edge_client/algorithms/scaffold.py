@@ -15,7 +15,8 @@ Otherwise ``c`` would drift from the mean of the ``c_i`` by ``delta_c / N`` per 
 An upload codec may send ``delta_c`` lossily (its contract declares ``codec="commit"``): the client then takes
 ``c_i^new = c_i^old + delta_c`` as the server decoded it (``uploaded``), so ``c`` is still exactly the mean of the
 ``c_i``. What a codec left out needs no residual: option II's ``c_i^new - c_i^old = delta / (K_i eta_l) - c`` is
-measured against the ``c_i`` the client holds, so the next round's ``delta_c`` carries it.
+measured against the ``c_i`` the client holds, so the next round's ``delta_c`` carries it. Under secure aggregation
+the client likewise adopts the clipped, quantised ``delta_c`` it masked (``edge_client.secagg.parts``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ CONTRACT = Contract(
         Value("last_aggregated", "the last round whose update from this client went into c (0: none)", integer=True,
               required=False),
     ),
-    returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit"),),
+    returns=(Array("delta_c", "c_i^new - c_i^old", codec="commit", summed="plain"),),  # c adds their plain sum
     needs="sums",
-    needs_why="the sum of the control variates' changes delta_c",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
     buffered=False,
     buffered_why=(

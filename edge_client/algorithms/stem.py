@@ -37,9 +37,8 @@ CONTRACT = Contract(
     ),
     sends=(Array("v_bar", "the weighted mean of last round's v_i (init = 'server_avg')", required=False,
                  scope="global"),),
-    returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half"),),
+    returns=(Array("v", "v_{K-1}, the last momentum direction", codec="half", summed="weighted"),),
     needs="sums",
-    needs_why="the weighted mean of the momenta v",
     dp_refusal="", dp_requires=(("weighting", "uniform"),),
     buffered=False,
     buffered_why=(

@@ -28,8 +28,10 @@ from edge_client.messages import (
     SecAggShares,
     SecAggUnmask,
 )
+from edge_client.secagg import parts
 from edge_client.secagg.crypto import ShareRejected
 from edge_client.secagg.device import DeviceRound, Keys, ProtocolBreach
+from edge_client.secagg.parts import Summed
 from edge_client.secagg.ring import Ring
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class SecureClient:
         self.uploaded = uploaded
         self.round: DeviceRound | None = None
         self.facts: RoundFacts | None = None  # the round's facts: its secure terms
-        self.quantised: np.ndarray | None = None
+        self.quantised: np.ndarray | None = None  # the round's summed arrays as one vector of ring elements
+        self.noise = 0.0  # the std of the DP noise share in them (the ring's headroom)
         self.scalars: dict[str, Any] = {}
         self.costs: dict[str, float] = {}  # the device's own seconds per stage (its clock), sent with the input
 
@@ -64,18 +67,26 @@ class SecureClient:
         self.costs = {"keys_s": time.perf_counter() - t0}
         self.publish(SecAggKeys(a.round, self.client_id, keys.enc, keys.mask, a.run_id))
 
-    def trained(self, delta: np.ndarray, scalars: dict[str, Any], per_step: bool) -> None:
-        """Keep the round's update as ring elements: clipped, divided by its steps when ``per_step`` (the contract
-        says so: FedNova), times the device's weight, quantised; ``scalars``: the ``MaskedInput`` fields an
-        ``Update`` would carry (steps, times, loss, telemetry)."""
+    def trained(
+        self, vectors: dict[str, np.ndarray], summed: Summed, noise: float, scalars: dict[str, Any]
+    ) -> dict[str, np.ndarray]:
+        """Keep the round's update as ring elements: the arrays the contract sums (``summed``, from ``vectors``:
+        ``delta`` and the returned arrays) clipped jointly, each times its weight, quantised, as one vector
+        (``edge_client.secagg.parts``); ``noise``: the std of differential privacy's share already in them (0:
+        none); ``scalars``: the ``MaskedInput`` fields an ``Update`` would carry (steps, times, loss, telemetry).
+        Returns each array as the sum will hold it, for an algorithm that adopts what it uploaded (SCAFFOLD)."""
         a = self.facts
         assert a is not None and a.secure
         t0 = time.perf_counter()
-        ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
-        steps = max(1, scalars["local_steps"]) if per_step else 1
-        self.quantised = ring.quantise(delta, a.secure["weight"] / steps)
         self.scalars = scalars
+        self.quantised, sent = parts.quantise(self._ring(a, noise), summed, vectors, a.secure, scalars["local_steps"])
+        self.noise = noise
         self.costs["quantise_s"] = time.perf_counter() - t0
+        return sent
+
+    @staticmethod
+    def _ring(a: RoundFacts, noise: float) -> Ring:
+        return Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"], noise)
 
     def handle(self, msg: SecAggRoster | SecAggRelay | SecAggUnmask) -> None:
         r, a = self.round, self.facts
@@ -105,8 +116,7 @@ class SecureClient:
             raise ProtocolBreach("the relay came before the round's update")
         t0 = time.perf_counter()
         r.receive({owner: sealed for owner, sealed in relay.shares})
-        ring = Ring(a.secure["bits"], a.secure["clip"], a.secure["devices"])
-        y = r.masked(self.quantised, ring)
+        y = r.masked(self.quantised, self._ring(a, self.noise))
         self.costs["mask_s"] = time.perf_counter() - t0
         metrics = {**self.scalars.pop("metrics", {}), "secagg": dict(self.costs)}
         data = np.ascontiguousarray(y, "<u4").tobytes()

@@ -4,6 +4,11 @@ A device clips its update to ``clip`` (L2 norm), multiplies it by its weight (it
 weights of a round sum to at most 1) and rounds ``scale`` times it to integers. Each coordinate of the weighted sum is
 then at most ``clip`` in magnitude, and with ``scale = (2^(bits-1) - devices) / clip`` its integer sum, rounding
 included, stays inside the ring's signed range: the sum of clipped values cannot wrap.
+
+With differential privacy's noise shares (``noise``: the std each device adds to its clipped update, docs/privacy.md)
+the range is ``clip + NOISE_SIGMAS * noise``: the weighted sum's noise has a std of at most ``noise`` per coordinate
+(the squares of weights that sum to at most 1 sum to at most 1), and a Gaussian beyond 10 of its std has probability
+2e-23 per coordinate.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_BITS, MAX_BITS = 16, 32
+NOISE_SIGMAS = 10.0  # the ring's headroom for the noise shares, in their std
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,7 @@ class Ring:
     bits: int
     clip: float
     devices: int  # the most devices whose inputs are summed in it (the round's selected devices)
+    noise: float = 0.0  # the std of the noise share each device adds after clipping (0: none)
 
     def __post_init__(self) -> None:
         if not MIN_BITS <= self.bits <= MAX_BITS:
@@ -28,14 +35,21 @@ class Ring:
             raise ValueError(f"clip norm {self.clip} must be > 0")
         if not 1 <= self.devices < 2 ** (self.bits - 2):
             raise ValueError(f"{self.devices} devices do not fit a {self.bits}-bit ring")
+        if not 0 <= self.noise < float("inf"):
+            raise ValueError(f"noise std {self.noise} must be finite and >= 0")
 
     @property
     def mask(self) -> int:
         return (1 << self.bits) - 1
 
     @property
+    def range(self) -> float:
+        """The largest magnitude a coordinate of the weighted sum takes (with the noise: but for 2e-23)."""
+        return self.clip + NOISE_SIGMAS * self.noise
+
+    @property
     def scale(self) -> float:
-        return (2 ** (self.bits - 1) - self.devices) / self.clip
+        return (2 ** (self.bits - 1) - self.devices) / self.range
 
     def quantise(self, x: np.ndarray, weight: float) -> np.ndarray:
         """``x`` clipped to norm ``clip``, times ``weight`` (in [0, 1]), as ring elements."""

@@ -14,11 +14,13 @@ round's deadline):
    (``SecAggUnmask``) and reveals its shares; the sum is unmasked (``server.secagg.unmask``).
 
 A stage left with fewer than ``t`` devices, a secret that cannot be rebuilt, or an unmasked mean above the clip norm
-drops the round (the model stays as it was; the reason is the row's ``dropped``), never the run. The mean of the
-survivors' updates is returned once per survivor, with that survivor's scalars (steps, times, loss, telemetry), so the
-strategy folds it as it would their updates: exact for the algorithms whose contract needs only the mean of the deltas
-(and for FedNova's mean of each delta divided by its steps: each survivor's is given back as that mean times its
-steps, which FedNova divides by them again).
+drops the round (the model stays as it was; the reason is the row's ``dropped``), never the run. Each array the
+contract sums (``Contract.summed``: the delta, and SCAFFOLD's ``delta_c`` or STEM's ``v``) comes out of the one
+unmasked vector as the mean of the survivors' arrays, by the weights they were masked with, and is returned once per
+survivor with that survivor's scalars (steps, times, loss, telemetry), so the strategy folds it as it would their
+updates: a weighted mean of identical vectors is that vector, and a ``plain`` array's mean, summed over the survivors,
+is their plain sum (SCAFFOLD's ``delta_c``). FedNova's mean of each delta divided by its steps is given back to each
+survivor as that mean times its steps, which FedNova divides by them again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.contract import Contract
+from edge_client.dp import noise_std
 from edge_client.messages import (
     MaskedInput,
     SecAggKeys,
@@ -42,7 +46,9 @@ from edge_client.messages import (
     SecAggUnmask,
     Update,
 )
+from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound, ProtocolError, encode
+from edge_client.secagg import parts
 from edge_client.secagg.device import Keys, context_of
 from edge_client.secagg.graph import neighbours
 from edge_client.secagg.ring import Ring
@@ -106,12 +112,11 @@ class SecureRounds:
         topics: Topics,
         num_params: int,
         arrived: Callable[[str], None],
-        per_step: bool = False,
+        contract: Contract,
     ) -> None:
-        """``per_step``: devices divide their delta by their steps before masking (``Contract.needs``
-        ``mean_per_step``), so each survivor's delta is given back as the mean times its steps."""
+        """``contract``: the algorithm's, which says what devices mask (``Contract.summed``)."""
         self.privacy = privacy
-        self.per_step = per_step
+        self.summed = contract.summed
         self.link = link
         self.topics = topics
         self.num_params = num_params
@@ -120,15 +125,24 @@ class SecureRounds:
 
     # -- the assignments -----------------------------------------------------------------------------------------
     def begin(
-        self, round_: int, run_id: str, version: int, samples: dict[str, int], weighting: str, max_share: float
+        self,
+        round_: int,
+        run_id: str,
+        version: int,
+        samples: dict[str, int],
+        weighting: str,
+        max_share: float,
+        plans: dict[str, Plan],
     ) -> dict[str, dict[str, Any]]:
         """Open ``round_`` for the selected devices (``samples``: their registered counts); each one's secure terms.
         Its weight is its share of the round's (capped) samples, or an equal share (``weighting`` uniform): the
-        weights of a round sum to 1, so the weighted sum of clipped updates fits the ring."""
+        weights of a round sum to 1, so the weighted sum of clipped updates fits the ring. ``plans``: the devices'
+        plans, whose DP noise share (``dp_noise_std``) the ring leaves room for."""
         counts = capped_counts(samples, max_share) if weighting == "samples" else dict.fromkeys(samples, 1)
         total = sum(counts.values()) or 1
         p = self.privacy
-        ring = Ring(p.quantisation_bits, p.clip_norm, max(1, len(samples)))
+        noise = max((noise_std(plans[cid].settings) for cid in samples), default=0.0)
+        ring = Ring(p.quantisation_bits, p.clip_norm, max(1, len(samples)), noise)
         terms = {
             cid: {"weight": counts[cid] / total, "clip": p.clip_norm, "bits": ring.bits, "devices": ring.devices}
             for cid in samples
@@ -184,8 +198,9 @@ class SecureRounds:
             raise OutOfRound(f"{sender} sent a masked input in round {r.number} without taking part in sharing")
         if msg.model_version != r.version:
             raise OutOfRound(f"{sender}'s masked input trained on model version {msg.model_version}, not {r.version}")
-        if len(msg.data) != 4 * self.num_params:
-            raise StageRefused(f"{sender}'s masked input has {len(msg.data)} bytes, expected {4 * self.num_params}")
+        size = 4 * self.num_params * len(self.summed)
+        if len(msg.data) != size:
+            raise StageRefused(f"{sender}'s masked input has {len(msg.data)} bytes, expected {size}")
         y = np.frombuffer(msg.data, "<u4")
         r.total = y.copy() if r.total is None else r.ring.add(r.total, y)
         r.masked[sender] = MaskedInput(**{**vars(msg), "data": b""})  # its scalars; the vector is in the sum
@@ -231,13 +246,13 @@ class SecureRounds:
             wait("masked", lambda: set(r.commits) - set(r.masked), time.monotonic() + stage_s)
             self._ask_unmask(r)
             wait("unmask", lambda: set(r.asked) - set(r.reveals), time.monotonic() + stage_s)
-            mean = self._unmasked_mean(r)
+            means = self._unmasked_means(r)
         except _Dropped as exc:
-            dropped, mean = exc.reason, None
+            dropped, means = exc.reason, None
             log.warning("round %d: secure aggregation dropped the round (%s): %s", r.number, exc.reason, exc)
         finally:
             r.stage = "closed"
-        updates = {} if mean is None else {cid: self._update(r, cid, mean) for cid in sorted(r.masked)}
+        updates = {} if means is None else {cid: self._update(r, cid, means) for cid in sorted(r.masked)}
         return Outcome(updates, dropped, self._row(r), dict(r.device_bytes))
 
     def _take_up(self, r: _Round, cid: str) -> int:
@@ -289,7 +304,8 @@ class SecureRounds:
         if count < threshold:
             raise _Dropped(reason, f"{count} device(s) {what}, fewer than the threshold {threshold}")
 
-    def _unmasked_mean(self, r: _Round) -> np.ndarray:
+    def _unmasked_means(self, r: _Round) -> dict[str, np.ndarray]:
+        """Each summed array's mean over the survivors, by the weights they masked it with."""
         assert r.total is not None
         ledger = Ledger(context_of(r.run_id, r.number), r.threshold, r.keys, r.graph, r.commits, r.relayed)
         survivors = set(r.masked)
@@ -297,17 +313,25 @@ class SecureRounds:
             total = unmask(r.total, r.ring, ledger, survivors, set(r.commits) - survivors, r.reveals)
         except Unrecoverable as exc:
             raise _Dropped(exc.reason, str(exc)) from None
-        weight = sum(r.terms[c]["weight"] for c in survivors)
-        mean = r.ring.decode(total) / np.float32(weight)
-        # each device clipped to clip_norm before weighting: the weighted mean cannot be longer, but for rounding
-        bound = r.ring.clip + r.ring.devices * math.sqrt(mean.size) / r.ring.scale / weight
-        norm = float(np.linalg.norm(mean.astype(np.float64)))
-        if not norm <= bound:
-            raise _Dropped("secagg_norm", f"the unmasked mean's norm {norm:.4g} exceeds the clip norm {r.ring.clip:g}")
-        return mean
+        means = {}
+        for (name, how), part in zip(self.summed, parts.split(total, self.summed).values(), strict=True):
+            weights = [parts.part_weight(how, r.terms[c]) for c in survivors]
+            means[name] = mean = r.ring.decode(part) / np.float32(sum(weights))
+            # each device clipped to clip_norm before weighting: no array's weighted mean can be longer, but for the
+            # rounding and the noise shares (the norm of a Gaussian vector is within 10 of its std of sqrt(size) of it)
+            noise = r.ring.noise * math.sqrt(sum(w * w for w in weights)) / sum(weights)
+            rounding = r.ring.devices * math.sqrt(mean.size) / r.ring.scale / sum(weights)
+            bound = r.ring.clip + rounding + noise * (math.sqrt(mean.size) + 10)
+            norm = float(np.linalg.norm(mean.astype(np.float64)))
+            if not norm <= bound:
+                raise _Dropped(
+                    "secagg_norm", f"the unmasked mean of {name} has norm {norm:.4g}, above the bound {bound:.4g}"
+                )
+        return means
 
-    def _update(self, r: _Round, cid: str, mean: np.ndarray) -> Update:
+    def _update(self, r: _Round, cid: str, means: dict[str, np.ndarray]) -> Update:
         m = r.masked[cid]
+        delta = means["delta"]
         return Update(
             round=r.number,
             model_version=m.model_version,
@@ -317,8 +341,9 @@ class SecureRounds:
             compute_s=m.compute_s,
             cpu_s=m.cpu_s,
             train_loss=m.train_loss,
-            delta=mean * np.float32(m.local_steps) if self.per_step else mean,
+            delta=delta * np.float32(m.local_steps) if dict(self.summed)["delta"] == "per_step" else delta,
             metrics=m.metrics,
+            arrays={name: mean for name, mean in means.items() if name != "delta"},
             run_id=r.run_id,
         )
 

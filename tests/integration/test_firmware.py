@@ -467,6 +467,11 @@ def test_wheel_bundle_dry_run_prints_pinned_commands(tmp_path: Path) -> None:
     pip_resolver = run("bash", BUNDLE, "--dry-run", "--resolver", "pip", "--out", out).stderr.replace("\\", "")
     line = next(line for line in pip_resolver.splitlines() if " pip download " in line)
     assert all(pin in line for pin in ("torch==2.9.1", "onnxruntime>=1.21.1", "numpy<2.5", "manylinux_2_28_aarch64"))
+    assert "[secure]" not in text + line  # the extra only when asked for
+    secure = run("bash", BUNDLE, "--dry-run", "--secure", "--out", out, "--python", sys.executable).stderr
+    assert "edgefl-mqtt[secure] @ file://" in secure  # resolved for aarch64 with the cryptography package
+    secure_pip = run("bash", BUNDLE, "--dry-run", "--secure", "--resolver", "pip", "--out", out).stderr
+    assert "-py3-none-any.whl[secure]" in secure_pip.replace("\\", "")
 
 
 @pytest.mark.parametrize(

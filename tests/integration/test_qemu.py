@@ -25,6 +25,7 @@ WORKDIR = Path(os.environ.get("EDGEFL_QEMU_WORKDIR", "/var/tmp/edgefl-qemu"))
 ROOTFS = WORKDIR / "rootfs"
 EMULATED = ROOTFS / "usr/bin/python3-emulated"
 BUNDLE = WORKDIR / "bundle"
+FULL = bool(os.environ.get("EDGEFL_FULL"))  # the release checks (docs/testing.md)
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 #: ``ldaddal w1, w0, [x0]; ret`` as ``int f(int *p, int v)``: an ARMv8.1 LSE atomic add, which a Cortex-A72
@@ -71,6 +72,29 @@ def test_bundle_imports_and_trains_on_an_emulated_cortex_a72(emulated_pi: None) 
     assert float(trained[1]) > 0 and int(trained[2]) > 40_000  # the TACO CNN's 44,426 parameters moved
     assert trained[3].split("+")[0] == torch_wheel.split("-")[1]  # the bundle's torch, not this machine's
     assert "every binary wheel imports and the TACO CNN trains on an emulated cortex-a72" in out
+    if list(BUNDLE.glob("cryptography-*aarch64*.whl")):  # the extra "secure" (setup.sh: make-wheel-bundle.sh --secure)
+        masked = re.search(r"^  ok +secure aggregation: cryptography \S+, two masked inputs of (\d+) ", out, re.M)
+        assert masked and int(masked[1]) == int(trained[2]), out  # X25519, HKDF, AES-GCM, ChaCha20 on a Cortex-A72
+    else:
+        assert "no cryptography wheel in the bundle" in (WORKDIR / "probe" / "probe.log").read_text()
+
+
+@pytest.mark.skipif(not FULL, reason="the whole release check with --secure (many minutes): EDGEFL_FULL=1")
+def test_the_secure_extra_installs_from_the_bundle_and_a_masked_round_runs(emulated_pi: None) -> None:
+    """Issue 26's device path: ``qemu-smoke.sh --secure`` installs ``edgefl-mqtt[secure]`` from the offline bundle
+    into the emulated device's venv, and one round aggregates securely between the emulated device and a device on
+    this machine (step 7)."""
+    if not list(BUNDLE.glob("cryptography-*aarch64*.whl")):
+        pytest.fail(f"{BUNDLE} has no cryptography wheel: make-wheel-bundle.sh --secure --out {BUNDLE} adds it")
+    result = subprocess.run(
+        ["bash", REPO / "firmware_scripts/qemu-smoke.sh", "--secure", "--no-footprint", "--bundle", BUNDLE,
+         "--workdir", WORKDIR],
+        capture_output=True, text=True, timeout=3600, check=False,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr[-5000:]
+    masked = re.search(r"^  secure_rounds 1, masked inputs 2, threshold 2, the device's own seconds", out, re.M)
+    assert masked, out
 
 
 def test_the_emulator_refuses_instructions_a_cortex_a72_lacks(emulated_pi: None) -> None:

@@ -78,3 +78,45 @@ def test_secure_rounds_over_mosquitto_with_real_devices(
     assert len(inputs) == 3
     for y in inputs:  # without the masks each input is a third of the step, nearly: correlation far above 0.5
         assert abs(np.corrcoef(y, step)[0, 1]) < 0.1
+
+
+def test_central_dp_with_secure_aggregation_over_mosquitto(
+    federation: Callable[..., tuple[Any, dict]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three ``edge-client`` processes with central DP whose noise the devices add in shares before masking (issue
+    27): both rounds aggregate securely, epsilon is in every row and the summary, and the shares sum to the configured
+    total. The devices train three steps at lr 1e-6, so their clipped updates are negligible beside the noise (of std
+    z C = 0.5 per coordinate) and the unmasked sum is, but for them, the sum of the three noise shares: its std per
+    coordinate must be z C (over 2 x 55,210 coordinates, within 3 %; without one device's share it would be
+    z C sqrt(2/3), 18 % less, and with the shares scaled down by a clip after the noise, far less)."""
+    import server.secagg.stages as stages
+
+    z, clip_norm = 0.5, 1.0
+    privacy = {"mode": "central", "clip_norm": clip_norm, "noise_multiplier": z, "secure_aggregation": True,
+               "threshold": 2, "stage_deadline_s": 10.0}  # fmt: skip
+    sums: list[np.ndarray] = []
+    unmask = stages.unmask
+
+    def unmasked(total: np.ndarray, ring: Ring, *args: Any) -> np.ndarray:
+        result = unmask(total, ring, *args)
+        sums.append(ring.decode(result).astype(np.float64) * 3)  # each device weighed 1/3
+        return result
+
+    monkeypatch.setattr(stages, "unmask", unmasked)
+    train = {"local_steps": 3, "lr": 1e-6}
+    orch, procs = federation("secagg-dp", clients=3, rounds=2, train=train, privacy=privacy)
+    try:
+        summary = orch.run()
+    finally:
+        codes = end_federation(procs)
+    assert codes == {c: 0 for c in procs}
+    rows = [json.loads(line) for line in (orch.out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["secure_rounds"] == 2 and summary["dropped_rounds"] == []
+    assert [r["secure"]["masked"] for r in rows] == [3, 3] and all("dropped" not in r for r in rows)
+    epsilons = [r["epsilon"] for r in rows]
+    assert 0 < epsilons[0] < epsilons[1] and summary["privacy"]["epsilon"] == pytest.approx(epsilons[1])
+    assert summary["privacy"]["mode"] == "central" and summary["privacy"]["noise_multiplier"] == z
+    noise = np.concatenate(sums)
+    assert len(sums) == 2 and noise.size == 2 * 55_210
+    assert noise.std() == pytest.approx(z * clip_norm, rel=0.03)
+    assert abs(noise.mean()) < 4 * z * clip_norm / np.sqrt(noise.size)  # centred: the updates add nothing visible

@@ -181,14 +181,19 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
 # ------------------------------------------------------------------------------------------- config and contracts
 def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_device_values() -> None:
     from edge_client.algorithms import CONTRACTS
-    from edge_client.contract import secure_refusal
+    from edge_client.contract import Array, Contract, secure_refusal
     from server.config import ConfigError, from_dict
 
     on = {"secure_aggregation": True, "clip_norm": 5.0}
     assert from_dict({"privacy": on}).privacy.secure_aggregation
     accepted = {n for n, c in CONTRACTS.items() if not secure_refusal(c)}
-    assert accepted == {"fedavg", "fedprox", "fedacg", "fedumf", "fednova"}
-    for algorithm, why in [("taco", "per-device values"), ("foolsgold", "per-device"), ("scaffold", "only sums")]:
+    assert accepted == {"fedavg", "fedprox", "fedacg", "fedumf", "fednova", "scaffold", "stem"}
+    assert from_dict({"privacy": on, "train": {"algorithm": "scaffold"}}).train.algorithm == "scaffold"
+    assert CONTRACTS["scaffold"].summed == (("delta", "weighted"), ("delta_c", "plain"))
+    assert CONTRACTS["fednova"].summed == (("delta", "per_step"),)
+    with pytest.raises(ValueError, match="how it is summed"):  # a sum the contract does not say how to take
+        Contract("x", "an algorithm", returns=(Array("a", "an array"),), needs="sums")
+    for algorithm, why in [("taco", "per-device values"), ("foolsgold", "per-device"), ("scaffold-taco", "alpha_i")]:
         with pytest.raises(ConfigError, match=f"privacy.secure_aggregation.*{algorithm}.*{why}.*use fedavg"):
             from_dict({"privacy": on, "train": {"algorithm": algorithm}})
     for key, value in [("clip_norm", 0.0), ("threshold", 2.5), ("neighbours", 3), ("quantisation_bits", 64)]:
@@ -198,24 +203,51 @@ def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_d
 
 
 # ------------------------------------------------------------------------------------------------- whole rounds
-@pytest.mark.parametrize("algorithm, dp", [("fedavg", False), ("fednova", False), ("fedavg", True)])
+def expected_sum(
+    ring: Ring, summed: tuple[tuple[str, str], ...], vectors: dict[str, np.ndarray], terms: dict[str, Any], steps: int
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """By hand: what one device masks (its arrays clipped jointly unless DP's noise is in them, each times its weight,
+    in the ring, one after the other) and each array weighted as a float."""
+    x = np.concatenate([vectors[name].astype(np.float64) for name, _ in summed])
+    x = x if ring.noise else clip(x, ring.clip)
+    weights = [1 / terms["devices"] if how == "plain" else terms["weight"] / (steps if how == "per_step" else 1)
+               for _, how in summed]  # fmt: skip
+    pieces = [(part * w, name) for (name, _), part, w in zip(summed, np.split(x, len(summed)), weights, strict=True)]
+    return np.concatenate([ring.encode(v) for v, _ in pieces]), {name: v for v, name in pieces}
+
+
+def as_update(cid: str, vectors: dict[str, np.ndarray], steps: int, samples: int) -> Any:
+    """An update carrying ``vectors`` (``delta`` and the contract's arrays) as float32."""
+    from edgefl_testkit.messages import make_update
+
+    arrays = {k: v.astype(np.float32) for k, v in vectors.items() if k != "delta"}
+    return make_update(cid, vectors["delta"], num_samples=samples, local_steps=steps, arrays=arrays)
+
+
+@pytest.mark.parametrize(
+    "algorithm, dp", [("fedavg", False), ("fednova", False), ("fedavg", True), ("scaffold", False), ("stem", False)]
+)
 def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, dp: bool
 ) -> None:
-    """The real runtime and server over the in-process bus: each device's delta and steps as trained (recorded by its
-    training function), its weight as assigned (``begin``'s terms) and the ring sum the server unmasked (recorded as
-    ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their data size);
-    with central DP the devices' noise shares are in their deltas (added in training, before masking)."""
+    """The real runtime and server over the in-process bus: each device's delta, arrays and steps as trained (recorded
+    by its training function), its weight as assigned (``begin``'s terms) and the ring sum the server unmasked
+    (recorded as ``unmask`` returns it). FedNova's devices divide by their own steps (unequal here: tau_i from their
+    data size); with central DP the devices' noise shares are in their deltas (added in training, before masking);
+    SCAFFOLD's and STEM's devices mask their delta_c or v beside the delta, clipped jointly (SCAFFOLD's clip binds:
+    its devices adopt the clipped delta_c they masked, so c stays the mean of their c_i)."""
     import server.experiments.inprocess as inprocess
     import server.secagg.stages as stages
+    from edge_client.algorithms import CONTRACTS
     from edge_client.trainer import train_local
     from edgefl_testkit.federation import make_config
-    from edgefl_testkit.messages import make_update
     from server.datasets import load_dataset
+    from server.dp.mechanism import noise_share_std
     from server.experiments.simulate import client_ids, prepare_shards
-    from server.strategies import TrainSettings, make_strategy
+    from server.strategies import ServerContext, TrainSettings, make_strategy
 
-    trained: dict[int, dict[str, tuple[np.ndarray, int, int]]] = {}  # round -> device -> delta, steps, samples
+    trained: dict[int, dict[str, tuple[dict[str, np.ndarray], int, int]]] = {}  # vectors, steps, samples
+    c_seen: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # SCAFFOLD in round 2: the c it was sent, its own c_i
     sums: list[np.ndarray] = []
     terms: list[dict[str, dict[str, Any]]] = []
     begin = stages.SecureRounds.begin
@@ -223,7 +255,10 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     def recording(role: str, cid: str):
         def train(*args):
             result = train_local(*args)
-            trained.setdefault(args[6].round, {})[cid] = (result.delta.copy(), result.local_steps, len(args[2]))
+            vectors = {"delta": result.delta.copy(), **{k: v.copy() for k, v in result.arrays.items()}}
+            trained.setdefault(args[6].round, {})[cid] = (vectors, result.local_steps, len(args[2]))
+            if algorithm == "scaffold" and args[6].round == 2:  # c_i as committed after round 1
+                c_seen[cid] = (args[4].arrays["c"].copy(), args[5].c_i.copy())
             return result
 
         return train
@@ -239,7 +274,8 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     monkeypatch.setattr(inprocess, "behaviour", recording)
     monkeypatch.setattr(stages, "unmask", unmasked)
     monkeypatch.setattr(stages.SecureRounds, "begin", begun)
-    privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2}
+    clip_norm = 0.1 if algorithm == "scaffold" else 2.0
+    privacy = {"secure_aggregation": True, "clip_norm": clip_norm, "threshold": 2}
     if dp:  # central DP with its noise added by the devices in shares (docs/privacy.md): in the deltas recorded
         privacy |= {"mode": "central", "noise_multiplier": 0.5}
     train = {"local_steps": 5, "algorithm": algorithm}
@@ -249,30 +285,53 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     shards, _ = prepare_shards(bundle, client_ids(4), "iid", 0, tmp_path / "shards")  # 360, 359, 359, 359 samples
     summary = inprocess.run_inprocess(config, shards, bundle, tmp_path / "out")
     assert summary["secure_rounds"] == 2 and summary["dropped_rounds"] == []
-    ring = Ring(32, 2.0, 4)
-    per_step = algorithm == "fednova"
+    summed = CONTRACTS[algorithm].summed
+    ring = Ring(32, clip_norm, 4, noise_share_std(0.5 * clip_norm, 4) if dp else 0.0)
     for round_, total in enumerate(sums, start=1):
+        assert total.size == len(summed) * trained[round_]["client-00"][0]["delta"].size
         expected = np.zeros_like(total)
         plain = np.zeros(total.size)
-        for cid, (delta, steps, _) in trained[round_].items():
-            weight = terms[round_ - 1][cid]["weight"] / (steps if per_step else 1)
-            expected = ring.add(expected, ring.quantise(delta, weight))
-            plain += clip(delta, 2.0) * weight
+        for cid, (vectors, steps, _) in trained[round_].items():
+            q, weighted = expected_sum(ring, summed, vectors, terms[round_ - 1][cid], steps)
+            expected = ring.add(expected, q)
+            plain += np.concatenate(list(weighted.values()))
         np.testing.assert_array_equal(total, expected)  # exactly, in the ring
         np.testing.assert_allclose(ring.decode(total), plain, atol=3 / ring.scale)  # within the rounding
-    if per_step:  # each survivor's delta given back as the mean times its steps: FedNova's own aggregate
-        assert sorted(s for _, s, _ in trained[2].values()) == [1, 1, 1, 2]
-        strategy = make_strategy("fednova", TrainSettings(5, 0.1, 32), params)
-        weights, mean = np.zeros(total.size, np.float32), ring.decode(total)  # all survived: the weights sum to 1
-        rows = [(cid, clip(d, 2.0), s, n) for cid, (d, s, n) in trained[2].items()]
-        plain = [make_update(c, d, num_samples=n, local_steps=s) for c, d, s, n in rows]
-        secure = [make_update(c, mean * s, num_samples=n, local_steps=s) for c, _, s, n in rows]
-        expected_step = strategy.aggregate(2, weights, plain)
-        np.testing.assert_allclose(strategy.aggregate(2, weights, secure), expected_step, rtol=1e-5, atol=1e-7)
+    if algorithm in ("fednova", "scaffold", "stem"):  # the server half's aggregate: from the secure means as from the
+        # clipped updates
+        names = [name for name, _ in summed]
+        rows = terms[1].values()
+        weight = {name: sum(1 / 4 if how == "plain" else t["weight"] for t in rows) for name, how in summed}
+        parts = zip(names, np.split(ring.decode(sums[1]), len(names)), strict=True)
+        means = {name: part / weight[name] for name, part in parts}  # all four survived
+        plain, secure = [], []
+        for cid, (vectors, s, n) in trained[2].items():
+            x = clip(np.concatenate([vectors[name].astype(np.float64) for name in names]), clip_norm)
+            plain.append(as_update(cid, dict(zip(names, np.split(x, len(names)), strict=True)), s, n))
+            per_step = s if dict(summed)["delta"] == "per_step" else 1
+            secure.append(as_update(cid, {**means, "delta": means["delta"] * per_step}, s, n))
+        if algorithm == "fednova":
+            assert sorted(u.local_steps for u in plain) == [1, 1, 1, 2]
+        size = means["delta"].size
+        halves = [make_strategy(algorithm, TrainSettings(5, 0.1, 32), params) for _ in range(2)]
+        steps = []
+        for strategy, updates in zip(halves, (plain, secure), strict=True):
+            strategy.setup(ServerContext(model_spec={}, num_params=size))
+            steps.append(strategy.aggregate(2, np.zeros(size, np.float32), updates))
+        np.testing.assert_allclose(steps[1], steps[0], rtol=1e-5, atol=1e-6)
+        if algorithm == "scaffold":
+            np.testing.assert_allclose(halves[1].c, halves[0].c, rtol=1e-5, atol=1e-6)
+    if algorithm == "scaffold":  # the clip bound, and each device adopted what it masked: c is the mean of the c_i
+        joint = [np.linalg.norm(np.concatenate([v["delta"], v["delta_c"]])) for v, _, _ in trained[1].values()]
+        assert max(joint) > 2 * clip_norm
+        c = next(iter(c_seen.values()))[0]
+        np.testing.assert_allclose(np.mean([c_i for _, c_i in c_seen.values()], axis=0), c, atol=1e-6)
 
 
 def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> None:
     from edge_client import messages as M
+    from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
+    from edge_client.plan import Plan
     from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
     from edge_client.topics import Topics
     from server.config import PrivacySection
@@ -286,8 +345,9 @@ def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> N
         def take_bytes_in(self, topic: str) -> int:
             return 0
 
-    rounds = SecureRounds(PrivacySection(True, 2, 0, 1.0), Link(), Topics("t"), 8, lambda cid: None)  # type: ignore[arg-type]
-    terms = rounds.begin(1, "run", 0, {"a": 10, "b": 10, "c": 20}, "samples", 1.0)
+    rounds = SecureRounds(PrivacySection(True, 2, 0, 1.0), Link(), Topics("t"), 4, lambda cid: None, SCAFFOLD)  # type: ignore[arg-type]
+    plans = {c: Plan(1, 0.1, 8) for c in "abc"}
+    terms = rounds.begin(1, "run", 0, {"a": 10, "b": 10, "c": 20}, "samples", 1.0, plans)
     assert [terms[c]["weight"] for c in "abc"] == [0.25, 0.25, 0.5]
     devices = {c: DeviceRound(c, "run", 1) for c in "abc"}
     keys = {c: d.keys() for c, d in devices.items()}
@@ -312,7 +372,7 @@ def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> N
         rounds.take("a", M.SecAggShares(1, "a", commit, [["b", sealed["b"]]], "run"))  # c's share missing
     rounds.take("a", M.SecAggShares(1, "a", commit, [[v, s] for v, s in sealed.items()], "run"))
     r.stage = "masked"
-    with pytest.raises(StageRefused, match="12 bytes, expected 32"):
+    with pytest.raises(StageRefused, match="12 bytes, expected 32"):  # SCAFFOLD: delta and delta_c, 4 parameters
         rounds.take("a", M.MaskedInput(1, 0, "a", 1, 0.0, 0.0, 0.0, bytes(12), run_id="run"))
     with pytest.raises(OutOfRound, match="sharing"):
         rounds.take("b", M.MaskedInput(1, 0, "b", 1, 0.0, 0.0, 0.0, bytes(32), run_id="run"))  # b never shared
