@@ -45,7 +45,7 @@ Options:
   --no-footprint       skip step 6
   --secure             install edgefl-mqtt[secure] (the bundle must hold the aarch64 cryptography wheel) and run
                        step 7
-  --fresh              rebuild the root
+  --fresh              rebuild the root and unpack the wheels again
   -h, --help           this text
 Missing tools (qemu-user, mmdebstrap) are installed with apt-get --no-install-recommends: qemu-user recommends
 qemu-user-binfmt, which would register binfmt_misc entries. Timing under emulation means nothing.
@@ -165,10 +165,28 @@ step "1. import every binary wheel of $BUNDLE on an emulated $CPU, then train on
 PROBE=$WORKDIR/probe
 rm -rf "$PROBE"
 mkdir -p "$PROBE"
-# Unpacked by this machine's pip (--target, no resolution: a bundle that edgefl's pins exclude is probed too).
-"$SERVER_PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --target \
-    "$PROBE/site" --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
-    --python-version 3.11 --implementation cp "$BUNDLE"/*.whl
+# Unpacked by this machine's pip (--target, no resolution: a bundle that edgefl's pins exclude is probed too). The
+# other wheels are kept unpacked in WORKDIR/probe-wheels, keyed by their names and sizes, for re-runs (unpacking torch
+# takes longer than a test of the probe may); edgefl's own wheel, rebuilt by every setup, is unpacked afresh.
+unpack() {
+    "$SERVER_PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-compile --target "$1" \
+        --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 \
+        --python-version 3.11 --implementation cp "${@:2}"
+}
+ours=() theirs=()
+for whl in "$BUNDLE"/*.whl; do
+    case "$(basename "$whl")" in edgefl_mqtt-*) ours+=("$whl") ;; *) theirs+=("$whl") ;; esac
+done
+KEY=$(for whl in "${theirs[@]}"; do printf '%s %s\n' "$(basename "$whl")" "$(stat -c %s "$whl")"; done)
+WHEELS=$WORKDIR/probe-wheels
+if [ "$FRESH" -eq 1 ] || [ ! -f "$WHEELS/.key" ] || [ "$(cat "$WHEELS/.key")" != "$KEY" ]; then
+    rm -rf "$WHEELS"
+    unpack "$WHEELS" "${theirs[@]}"
+    printf '%s\n' "$KEY" >"$WHEELS/.key"
+else
+    log "reusing the unpacked wheels in $WHEELS (--fresh unpacks them again)"
+fi
+[ "${#ours[@]}" -eq 0 ] || unpack "$PROBE/site" "${ours[@]}"
 # The binary wheels in dependency order (Requires-Dist), so a wheel is imported after the ones it loads and a SIGILL
 # is blamed on the wheel that has it; then one training step through the bundle's edgefl.
 "$SERVER_PY" - "$BUNDLE" >"$PROBE/modules.tsv" <<'PY'
@@ -243,7 +261,7 @@ print(f"ok secure aggregation: cryptography {cryptography.__version__}, two mask
       " unmask to their sum", flush=True)
 PY
 set +e
-PYTHONPATH=$PROBE/site "$EMULATED" "$PROBE/probe.py" "$PROBE/modules.tsv" >"$PROBE/probe.log" 2>&1
+PYTHONPATH=$PROBE/site:$WHEELS "$EMULATED" "$PROBE/probe.py" "$PROBE/modules.tsv" >"$PROBE/probe.log" 2>&1
 rc=$?
 set -e
 sed -n 's/^ok /  ok      /p' "$PROBE/probe.log"

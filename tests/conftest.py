@@ -1,25 +1,19 @@
-"""Fixtures every room uses: one real mosquitto per test session and federations of client processes on it; the
-session-end check that no test left a process running. Helpers that are not fixtures live in edgefl_testkit/.
+"""What every room has: the session-end check that no test left a process running, and a user's own code. The real
+mosquitto and federations of client processes on it are fixtures of tests/integration/ only (its conftest.py): a unit
+test cannot ask for them. Helpers that are not fixtures live in edgefl_testkit/.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from edge_client.transport import LinkConfig
-from edgefl_testkit.federation import end_federation, start_federation
-from edgefl_testkit.mqtt import DEVICES, require_mosquitto
-from server.broker import Broker, BrokerSettings
-from server.orchestrator import Orchestrator
+from edgefl_testkit.own import write_user_code
 
 SESSION_MARK = "EDGEFL_TEST_SESSION"  # in the environment of every process the suite starts
 
@@ -68,32 +62,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.fixture(scope="session")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    """A real mosquitto with the server user and devices c0..c9, anonymous access off."""
-    require_mosquitto()
-    settings = BrokerSettings(devices=list(DEVICES), allow_anonymous=False)
-    b = Broker(tmp_path_factory.mktemp("broker"), settings).start()
-    try:
-        yield b
-    finally:
-        b.stop()
-
-
 @pytest.fixture
-def federation(broker: Broker, tmp_path: Path) -> Iterator[Callable[..., tuple[Orchestrator, dict]]]:
-    """``build(job, clients=3, rounds=3, ...)``: client processes on the session broker and the server for them."""
-    started: list[dict[str, subprocess.Popen]] = []
-
-    def on_session_broker(cid: str) -> tuple[str, str]:
-        return broker.url, (broker.devices.get(cid) or broker.add_device(cid)).password
-
-    def build(job: str, clients: int = 3, rounds: int = 3, **settings: Any) -> tuple[Orchestrator, dict]:
-        link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-        orch, procs = start_federation(tmp_path, link, on_session_broker, job, clients, rounds, **settings)
-        started.append(procs)
-        return orch, procs
-
-    yield build
-    for procs in started:
-        end_federation(procs)
+def user_code(tmp_path: Path) -> Path:
+    """A directory with a user's module (its name: ``edgefl_testkit.own.module_of``): a model and a task factory."""
+    return write_user_code(tmp_path)

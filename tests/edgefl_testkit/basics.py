@@ -1,4 +1,4 @@
-"""Waiting, the CI switch and what every room may need."""
+"""Waiting, the CI and release-check switches and what every room may need."""
 
 from __future__ import annotations
 
@@ -13,7 +13,18 @@ CHANCE = 0.1  # ten classes in digits
 
 
 def in_ci() -> bool:
+    """CI=true: a missing tool or data set fails its tests instead of skipping them."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+#: the release check's switch (docs/testing.md): set, the tests that the suite runs reduced run at full size
+FULL_ENV = "EDGEFL_FULL"
+
+
+def full_size() -> bool:
+    """EDGEFL_FULL=1: the paper-sized and long variants (a release check); unset, the suite's reduced ones, which
+    assert the same properties on a smaller workload."""
+    return os.environ.get(FULL_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def poll(check: Callable[[], T], timeout: float, what: str) -> T:

@@ -20,7 +20,6 @@ from paho.mqtt.client import CallbackAPIVersion, Client
 from paho.mqtt.enums import MQTTProtocolVersion
 
 from edgefl_testkit.mqtt import throwaway_certificate
-from server.acl import acl_rules
 from server.broker import Broker, BrokerSettings, Credentials, MosquittoNotInstalled, find_mosquitto
 
 MqttClientFactory = Callable[..., Client]
@@ -77,24 +76,6 @@ class Inbox:
 
 def publish(client: Client, topic: str, payload: bytes, retain: bool = False) -> None:
     client.publish(topic, payload, qos=1, retain=retain).wait_for_publish(TIMEOUT)
-
-
-def test_acl_rules_text() -> None:
-    text = acl_rules("srv", job="j1")
-    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
-    assert lines == [
-        "pattern write edgefl/j1/c/%u/up",
-        "pattern read edgefl/j1/c/%u/down",
-        "pattern read edgefl/j1/broadcast",
-        "pattern read edgefl/j1/server",
-        "pattern read edgefl/j1/model",
-        "pattern read edgefl/j1/model/global/+",
-        "user srv",
-        "topic readwrite edgefl/#",
-    ]
-    assert "pattern write edgefl/+/c/%u/up" in acl_rules("srv")
-    with pytest.raises(ValueError):
-        acl_rules("srv", job="a/b")
 
 
 def test_starts_on_free_port_and_accepts_server(broker: Broker, mqtt_client_factory: MqttClientFactory) -> None:

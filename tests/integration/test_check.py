@@ -2,7 +2,8 @@
 
 A good device runs the whole command as a real process (exit 0, every item ok, and the server user really receives
 its probe message); the failures are each checked on their own item: a wrong password, an unreachable broker, a
-login whose ACL does not cover the client id, an unreadable data file, a probe that dies of SIGILL.
+login whose ACL does not cover the client id, a probe that dies of SIGILL. The data file's item:
+tests/unit/edge_client/test_check.py.
 """
 
 from __future__ import annotations
@@ -127,16 +128,6 @@ def test_unreadable_password_file_fails_the_broker_item(broker: Broker, tmp_path
     assert items["broker"].ok is False and "missing" in items["broker"].detail
 
 
-def test_unreadable_data_file_fails_the_data_item(tmp_path: Path) -> None:
-    corrupt = tmp_path / "data.npz"
-    corrupt.write_bytes(b"not a zip archive")
-    item = check.check_data(str(corrupt))
-    assert item.ok is False and str(corrupt) in item.detail
-    assert check.check_data(str(tmp_path / "absent.npz")).ok is False
-    assert check.check_data(None).ok is None  # no --data: not checked, not failed
-    assert check.report(iter([item]), "c0", "j", out=lambda _: None) == 1
-
-
 def test_a_probe_dying_of_sigill_is_a_fail_line(tmp_path: Path) -> None:
     """The probe runs in a subprocess: an illegal instruction there is reported with the fix, the check goes on."""
     dies = tmp_path / "python"
@@ -145,11 +136,3 @@ def test_a_probe_dying_of_sigill_is_a_fail_line(tmp_path: Path) -> None:
     item = check.check_import("torch", python=str(dies))
     assert item.ok is False
     assert "died with SIGILL" in item.detail and "torch>=2.5,<2.10" in item.detail
-
-
-def test_csv_data_is_checked_with_its_label_column(tmp_path: Path) -> None:
-    csv = tmp_path / "readings.csv"
-    csv.write_text("a,b,target\n1,2,0\n3,4,1\n5,6,1\n")
-    assert check.check_data(str(csv), "target").detail.endswith("3 samples, 2 classes, samples of 2")
-    missing = check.check_data(str(csv))  # the runtime would refuse it without --label-column: so does the check
-    assert missing.ok is False and "--label-column" in missing.detail

@@ -23,7 +23,6 @@ from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
 from server.broker import Broker
 from server.cli import BROKER_DIED
-from server.cli import main as server_main
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 60.0
@@ -226,23 +225,6 @@ def test_broker_command_exits_nonzero_when_its_mosquitto_dies(broker: Broker, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--site", "shop-1"], "--site 'shop-1': expected NAME:ID,ID"),
-        (["--site", "shop-1:a", "--site", "shop-1:b"], "once per site"),
-        (["--bridge", "mqtts://central:8883"], "--bridge-username NAME and --bridge-password-file FILE"),
-    ],
-)
-def test_broker_site_and_bridge_flags_are_checked_before_anything_starts(
-    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("EDGEFL_BRIDGE_PASSWORD", raising=False)
-    assert server_main(["broker", "--dir", str(tmp_path / "b"), *flags]) == 2
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "b").exists()
 
 
 def test_client_with_wrong_password_exits_refused_naming_the_login(broker: Broker, tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 The federation runs unchanged: clients on node a, the server on node b, the same client processes and server code as
 over mosquitto, with the packet limit ejabberd does not advertise given by configuration. Starting the cluster takes
-about 15 s (two Erlang nodes, one join), so it is started once for the module; under CI the federation is smaller.
+about 15 s (two Erlang nodes, one join), so it is started once for the module; the federation is 2 clients and 2
+rounds in the suite, 4 and 3 with EDGEFL_FULL=1.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from edge_client.messages import Hello, ModelFile
 from edge_client.protocol import MessageTooLarge, encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig, MqttLink
-from edgefl_testkit.basics import CHANCE, in_ci
+from edgefl_testkit.basics import CHANCE, full_size, in_ci
 from edgefl_testkit.federation import run_to_end, start_federation
 from server.broker import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "firmware_scripts" / "ejabberd-cluster.sh"
-CLIENTS, ROUNDS = (2, 2) if in_ci() else (4, 3)
+CLIENTS, ROUNDS = (4, 3) if full_size() else (2, 2)  # the release check's size with EDGEFL_FULL=1
 TIMEOUT = 10.0
 
 

@@ -1,9 +1,9 @@
-"""The live dashboard: what it builds from a run directory, who may read it, and the page in a real headless Chromium
-following a real `edge-server simulate` over mosquitto with client processes, one of which is killed mid-run."""
+"""The live dashboard served: who may read it, and the page in a real headless Chromium following a real
+`edge-server simulate` over mosquitto with client processes, one of which is killed mid-run. What it builds from a run
+directory, and its address rules: tests/unit/server/dashboard/."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import subprocess
@@ -22,10 +22,8 @@ from PIL import Image
 
 from edgefl_testkit.basics import in_ci, poll
 from edgefl_testkit.mqtt import require_mosquitto
-from server.config import ConfigError
+from edgefl_testkit.runs import client_report, metrics_row, write_run
 from server.dashboard.server import Address, DashboardServer
-from server.dashboard.view import TIMELINE_FILE, RunView
-from server.live_state import LiveState
 
 CHROMIUM = "/usr/bin/chromium"
 # As root, and on a machine whose network is closed: no sandbox, no GPU, no background connections.
@@ -41,94 +39,7 @@ CHROMIUM_ARGS = [
 URL = re.compile(r"http://\S+")
 
 
-def _row(round_: int, accuracy: float, clients: dict[str, Any], missing: list[str] | None = None) -> dict[str, Any]:
-    return {"round": round_, "elapsed_s": 1.5 * round_, "accuracy": accuracy, "clients": clients,
-            "missing": missing or [], "rejected": {}}  # fmt: skip
-
-
-def _report(compute_s: float, **device_round: Any) -> dict[str, Any]:
-    return {"compute_s": compute_s, "cpu_s": compute_s / 2, "bytes_up": 1000, "device": {"round": device_round}}
-
-
-def _write_run(run_dir: Path, rows: list[dict[str, Any]]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-# -------------------------------------------------------------------------------------------------- the run's view
-def test_view_from_the_run_directory(tmp_path: Path) -> None:
-    live = LiveState(tmp_path, {"algorithm": "fedveca", "dataset": "digits", "rounds": 3, "target": 0.8})
-    live.start()
-    live.registered("a", {"device_class": "pi4", "hostname": "<b>pi</b>"})
-    live.registered("b", {"machine": "aarch64", "cpu_count": 4, "memory_mb": 3796})
-    live.rejected("b", "norm")
-    live.round_started(3, 3.0, {"a": {"local_steps": 12, "settings": {"alpha_i": 0.25}}})
-    live.presence("b", False)
-    live.close()
-    flags = ["under_voltage"]
-    _write_run(
-        tmp_path,
-        [
-            _row(1, 0.5, {"a": _report(1.0, temperature_c_after=61.5, cpu_freq_mhz_after=1500.0), "b": _report(3.0)}),
-            _row(2, 0.85, {"a": _report(2.0, throttled_flags=flags)}, missing=["b"]),
-            _row(3, 0.9, {"a": _report(4.0)}, missing=["b"]),
-        ],
-    )
-    state = json.loads(RunView(tmp_path).snapshot())
-    assert state["run"]["algorithm"] == "fedveca" and state["run"]["finished"]
-    assert state["points"] == [[1, 1.5, 0.5], [2, 3.0, 0.85], [3, 4.5, 0.9]]
-    assert state["reached"] == {"round": 2, "elapsed_s": 3.0}  # first round at or above the target 0.8
-    a, b = state["clients"]
-    assert (a["id"], a["device_class"], a["host"]) == ("a", "pi4", "<b>pi</b>")  # the page sets it as text
-    assert a["median_compute_s"] == 2.0 and a["last"]["compute_s"] == 4.0 and a["rounds_missed"] == 0
-    assert a["told"] == {"round": 3.0, "local_steps": 12.0, "alpha": 0.25}
-    assert b["device_class"] == "aarch64, 4 cores, 3.7 GiB" and b["online"] is False
-    assert b["rounds_missed"] == 2 and b["rejected"] == {"norm": 1} and b["last"]["round"] == 1
-
-
-def test_view_shows_the_timeline_once_the_run_writes_it(tmp_path: Path) -> None:
-    view = RunView(tmp_path)
-    assert json.loads(view.snapshot())["timeline"] is None
-    Image.new("RGB", (4, 4)).save(tmp_path / TIMELINE_FILE)
-    assert json.loads(view.snapshot())["timeline"] is not None  # its mtime: the page reloads the image by it
-
-
-def test_view_reads_appended_rounds_and_notices_a_new_run(tmp_path: Path) -> None:
-    view = RunView(tmp_path)
-    _write_run(tmp_path, [_row(1, 0.5, {}), _row(2, 0.6, {})])
-    with (tmp_path / "metrics.jsonl").open("a") as fh:
-        fh.write('{"round": 3, "accur')  # a row still being written
-    assert json.loads(view.snapshot())["rounds_done"] == 2
-    with (tmp_path / "metrics.jsonl").open("a") as fh:
-        fh.write('acy": 0.7, "elapsed_s": 4.0, "clients": {}, "missing": []}\n')
-    assert [p[0] for p in json.loads(view.snapshot())["points"]] == [1, 2, 3]
-    _write_run(tmp_path, [_row(1, 0.1, {}), _row(2, 0.2, {}), _row(3, 0.3, {}), _row(4, 0.4, {})])  # a new run
-    assert [p[2] for p in json.loads(view.snapshot())["points"]] == [0.1, 0.2, 0.3, 0.4]
-
-
-def test_view_keeps_only_well_typed_values_from_clients(tmp_path: Path) -> None:
-    report = {
-        "compute_s": "fast",
-        "cpu_s": True,
-        "device": {"round": {"throttled_flags": "all", "temperature_c_after": []}},
-    }
-    _write_run(tmp_path, [_row(1, 0.5, {"x" * 500: report})])
-    (client,) = json.loads(RunView(tmp_path).snapshot())["clients"]
-    assert len(client["id"]) == 64 and client["median_compute_s"] is None
-    assert client["last"]["compute_s"] is None and client["last"]["cpu_s"] is None
-    assert client["last"]["throttled"] is None and client["last"]["temperature_c"] is None
-
-
 # ------------------------------------------------------------------------------------------------------- access
-def test_address_needs_a_token_off_loopback_only() -> None:
-    assert Address.parse("127.0.0.1:8050") == Address("127.0.0.1", 8050, None)
-    assert Address.parse("localhost:0").token is None
-    assert Address.parse("[::1]:8050") == Address("::1", 8050, None)
-    wide = Address.parse("0.0.0.0:8050")
-    assert wide.token and len(wide.token) >= 24 and wide.token != Address.parse("0.0.0.0:8050").token
-    for bad in ("8050", "host:", ":8050", "127.0.0.1:http", "127.0.0.1:70000"):
-        with pytest.raises(ConfigError, match="--dashboard expects HOST:PORT"):
-            Address.parse(bad)
 
 
 def _status(url: str, headers: dict[str, str] | None = None) -> int:
@@ -177,7 +88,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen, str]
 @pytest.mark.integration
 def test_a_dashboard_off_loopback_refuses_requests_without_its_token(tmp_path: Path, start, browser) -> None:
     run_dir = tmp_path / "run"
-    _write_run(run_dir, [_row(1, 0.5, {"c0": _report(1.0)})])
+    write_run(run_dir, [metrics_row(1, 0.5, {"c0": client_report(1.0)})])
     proc, url = start("dashboard", "--out", str(run_dir), "--dashboard", "0.0.0.0:0")
     token = url.split("?token=")[1]
     port = url.split(":")[2].split("/")[0]
@@ -200,7 +111,7 @@ def test_a_dashboard_off_loopback_refuses_requests_without_its_token(tmp_path: P
 @pytest.mark.integration
 def test_loopback_dashboard_refuses_a_foreign_host_name(tmp_path: Path, start) -> None:
     """No token on loopback, but a page that rebinds its own host name to 127.0.0.1 is still refused."""
-    _write_run(tmp_path / "run", [])
+    write_run(tmp_path / "run", [])
     _, url = start("dashboard", "--out", str(tmp_path / "run"), "--dashboard", "127.0.0.1:0")
     assert _status(url + "state") == 200
     assert _status(url + "state", {"Host": "attacker.example:80"}) == 403
@@ -293,27 +204,11 @@ def test_page_shows_the_run_facts_at_once_and_says_when_the_run_ended(tmp_path: 
     page.close()
 
 
-def test_nan_in_metrics_reaches_the_page_as_strict_json(tmp_path: Path) -> None:
-    """Issue 23: NaN in an update's metrics went out as a bare NaN, which JSON.parse refuses: the page stopped."""
-    nan = float("nan")
-    report = {**_report(nan, temperature_c_after=nan, cpu_freq_mhz_after=float("inf")), "bytes_up": 10**400}
-    _write_run(tmp_path, [{**_row(1, nan, {"c0": report}), "elapsed_s": float("inf")}])
-
-    def refuse(name: str) -> None:
-        raise ValueError(f"{name} is not JSON")
-
-    state = json.loads(RunView(tmp_path).snapshot(), parse_constant=refuse)
-    (client,) = state["clients"]
-    assert state["points"] == [[1, 0.0, 0.0]] and client["median_compute_s"] is None
-    assert client["last"]["temperature_c"] is None and client["last"]["cpu_freq_mhz"] is None
-    assert client["last"]["bytes_up"] is None
-
-
 def test_a_token_that_is_not_ascii_is_refused_not_a_server_error(tmp_path: Path) -> None:
     """Issue 23: ``?token=%C3%A9`` made secrets.compare_digest raise (500 and a traceback); compared as bytes: 403."""
     from server.dashboard.server import DashboardServer
 
-    _write_run(tmp_path, [_row(1, 0.5, {})])
+    write_run(tmp_path, [metrics_row(1, 0.5, {})])
     server = DashboardServer(tmp_path, Address("127.0.0.1", 0, "s3cret-token")).start()
     try:
         base = f"http://127.0.0.1:{server.port}/state"

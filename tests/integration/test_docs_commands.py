@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from edgefl_testkit.basics import in_ci
+from edgefl_testkit.basics import full_size, in_ci
 from edgefl_testkit.mqtt import require_mosquitto
 from server.broker import free_port
 
@@ -49,10 +49,6 @@ ROUNDS = 1
 TIMEOUT = 600.0
 
 pytestmark = pytest.mark.integration
-
-#: set (to anything) to run the blocks marked ``<!-- slow -->`` in full (a release check, minutes each); the suite
-#: parses them and validates their configuration
-FULL_ENV = "EDGEFL_FULL"
 
 
 @dataclass
@@ -307,7 +303,7 @@ def test_the_commands_of_a_guide_section_run(section: Section, tmp_path: Path) -
             if block.lang not in ("bash", "sh", "shell") or block.marker.startswith("not-run"):
                 continue
             for line in commands(block.text):
-                if block.marker == "slow" and not os.environ.get(FULL_ENV):
+                if block.marker == "slow" and not full_size():
                     check_only(scratch.substitute(re.sub(r"<[\w.-]+ password>", "unused", line)), tmp_path)
                 else:
                     scratch.run(block, scratch.substitute(line))

@@ -1,6 +1,7 @@
 """Prometheus metrics (--metrics): a real Prometheus scraping a real simulation over mosquitto, promtool on what is
 served and shipped (the alerting rules, with unit tests of when they fire), the Grafana dashboard's queries, the
-endpoint's access rule and last scrape, and labels that stay bounded whatever devices send."""
+endpoint's access rule and last scrape, and labels that stay bounded whatever devices send. The endpoint's address
+rule: tests/unit/server/test_metrics_endpoint.py."""
 
 from __future__ import annotations
 
@@ -27,12 +28,11 @@ from edge_client.device import THROTTLE_BITS
 from edgefl_testkit.basics import in_ci, poll
 from edgefl_testkit.mqtt import require_mosquitto
 from server.broker import free_port
-from server.config import ConfigError
 from server.dashboard.server import Address
 from server.fleet_metrics import METRICS, OTHER, UNREGISTERED, FleetMetrics, declared_reasons
 from server.fleet_summary import device_class
 from server.live_state import LiveState
-from server.metrics_endpoint import TOKEN_ENV, MetricsEndpoint, metrics_address
+from server.metrics_endpoint import MetricsEndpoint
 from server.recorder import Silent
 from server.target import Target
 
@@ -255,18 +255,6 @@ def endpoint(request: pytest.FixtureRequest) -> Iterator[MetricsEndpoint]:
     server = MetricsEndpoint(Address("127.0.0.1", 0, getattr(request, "param", None)), registry).start()
     yield server
     server.stop()
-
-
-def test_metrics_address_follows_the_dashboards_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="--metrics expects HOST:PORT"):
-        metrics_address("9477")
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-    assert metrics_address("127.0.0.1:9477").token is None
-    random = metrics_address("0.0.0.0:9477").token
-    assert random and random != metrics_address("0.0.0.0:9477").token
-    monkeypatch.setenv(TOKEN_ENV, "fixed-for-prometheus")
-    assert metrics_address("0.0.0.0:9477").token == "fixed-for-prometheus"
-    assert metrics_address("[::1]:9477").token is None
 
 
 def test_loopback_endpoint_refuses_a_foreign_host_name(endpoint: MetricsEndpoint) -> None:

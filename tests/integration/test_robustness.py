@@ -10,18 +10,18 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
+from edgefl_testkit.basics import full_size
 from edgefl_testkit.federation import Hooks
 from server.datasets import load_dataset
 from server.experiments.simulate import behaviours
 
 pytestmark = pytest.mark.integration
-FULL = bool(os.environ.get("EDGEFL_FULL"))  # the paper-sized runs, a release check (docs/testing.md)
+FULL = full_size()  # the paper-sized runs, a release check (docs/testing.md)
 
 MNIST_TRAIN = 12_000  # a fixed MNIST subset keeps two 10-client runs inside this file's time budget
 MNIST_TEST = 2_000

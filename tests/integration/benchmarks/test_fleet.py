@@ -1,14 +1,11 @@
-"""benchmarks.fleet in quick mode: the result files, both algorithms on the parallel clock, and the verdict's
-arithmetic (the numbers are not judged)."""
+"""benchmarks.fleet in quick mode: the result files, both algorithms on the parallel clock (the numbers are not
+judged). The verdict's arithmetic: tests/unit/benchmarks/test_fleet.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from benchmarks.__main__ import targets
-from benchmarks.fleet import verdict
 from edgefl_testkit.benchmarks import run_benchmark_quick
 
 
@@ -25,14 +22,3 @@ def test_quick_run_writes_the_parallel_clock_table(tmp_path: Path) -> None:
     assert "| fednova | deadline |" in md and "parallel clock (s, in-process)" in md
     [(figure, _, result)] = targets(md)  # the summary of docs/benchmarks.md picks the verdict up
     assert figure.startswith("time to 97% on the parallel clock") and result in ("PASS", "MISS")
-
-
-def test_the_verdict_compares_the_deadline_policy_with_fedavg() -> None:
-    base = {"time_to_target_s": 100.0, "final_accuracy": 0.975}
-    assert verdict({"fedavg": base, "fednova": {"time_to_target_s": 55.0, "final_accuracy": 0.972}}) == {
-        "time_ratio": 0.55, "accuracy_gap": pytest.approx(0.003), "pass": True,
-    }  # fmt: skip
-    assert not verdict({"fedavg": base, "fednova": {"time_to_target_s": 70.0, "final_accuracy": 0.975}})["pass"]
-    assert not verdict({"fedavg": base, "fednova": {"time_to_target_s": 50.0, "final_accuracy": 0.96}})["pass"]
-    assert not verdict({"fedavg": base, "fednova": {"time_to_target_s": None, "final_accuracy": 0.975}})["pass"]
-    assert verdict({"fedavg": base}) is None

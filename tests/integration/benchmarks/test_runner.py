@@ -10,31 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.__main__ import measured_at, targets
+from benchmarks.__main__ import measured_at
 from benchmarks.common import write_results
 from edgefl_testkit.mqtt import require_mosquitto
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def test_targets_are_read_from_fragment_tables() -> None:
-    md = "\n".join(
-        [
-            "## x",
-            "| figure | measured | target | result |",
-            "|---|---|---|---|",
-            "| encode | 2.1 GB/s | >= 1 GB/s | PASS |",
-            "| ratio | 1.3x | <= 1.25x | **MISS** |",
-            "",
-            "| other table | value |",
-            "|---|---|",
-            "| no verdict here | 3 |",
-        ]
-    )
-    assert targets(md) == [
-        ("encode", "measured: 2.1 GB/s; target: >= 1 GB/s", "PASS"),
-        ("ratio", "measured: 1.3x; target: <= 1.25x", "MISS"),
-    ]
 
 
 def test_unknown_benchmark_is_refused(tmp_path: Path) -> None:

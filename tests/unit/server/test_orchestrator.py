@@ -1,4 +1,5 @@
-"""Server-side update validation and FedAvg aggregation in-process, then one short run over the real broker.
+"""Server-side update validation and FedAvg aggregation in-process; its runs over the real broker:
+tests/integration/test_orchestrator.py.
 
 The in-process tests drive the orchestrator's ``Dispatch.handle`` with message objects (no connection: constructing an
 Orchestrator does not connect) and check the rejection counters and the round's accepted updates (kept without their
@@ -9,62 +10,35 @@ exactly one respect, so each test exercises exactly one check.
 from __future__ import annotations
 
 import dataclasses
-import json
-import threading
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.contract import Array, Value
-from edge_client.messages import Assignment, Hello, Presence, RoundFacts, Stop, Update, new_msg_id
-from edge_client.models import build_model, get_flat
+from edge_client.messages import Assignment, Hello, Presence, RoundFacts, Stop, Update
 from edge_client.plan import Plan
-from edge_client.protocol import encode
 from edge_client.topics import Topics
 from edge_client.transport import LinkConfig
-from edgefl_testkit.fakes import FakeDevice, zero_update
+from edgefl_testkit.orchestrator import initial_weights, small_run_config
 from server.admission import Admission, RoundState
-from server.broker import Broker
-from server.config import RunConfig, from_dict
 from server.evaluation import Evaluator
 from server.orchestrator import Orchestrator
 from server.strategies import ServerContext, Strategy, TrainSettings, make_strategy
 from server.strategies.fedavg import FedAvg
 
-SEED = 3
-
-
-def make_config(tmp_path: Path, job: str, *, rounds: int = 3, count: int = 3, **extra: Any) -> RunConfig:
-    return from_dict(
-        {
-            "run": {"rounds": rounds, "out": str(tmp_path / "run"), "job": job, "seed": SEED},
-            "clients": {"count": count, "register_timeout_s": 60.0, "round_deadline_s": 60.0},
-            "data": {"dataset": "digits"},
-            "train": {"local_steps": 2, "batch_size": 8, "lr": 0.1},
-            **extra,
-        }
-    )
-
-
-def initial_weights(model_spec: dict[str, Any]) -> np.ndarray:
-    """What the orchestrator starts from: the model built right after torch.manual_seed(run.seed)."""
-    torch.manual_seed(SEED)
-    return get_flat(build_model(model_spec))
-
 
 @pytest.fixture
-def orch(broker: Broker, digits, tmp_path: Path) -> Orchestrator:
+def orch(digits, tmp_path: Path) -> Orchestrator:
     """An unconnected orchestrator in round 2 (model version 1) with c0 and c1 selected, c2 registered but not."""
     job = f"o{uuid.uuid4().hex[:10]}"
-    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-    o = Orchestrator(make_config(tmp_path, job), link, Evaluator(digits.model, digits.test), digits.model, tmp_path)
+    link = LinkConfig("mqtt://127.0.0.1:1", "server", "unused")  # never dialled: it is never connected
+    o = Orchestrator(
+        small_run_config(tmp_path, job), link, Evaluator(digits.model, digits.test), digits.model, tmp_path
+    )
     o.num_params = initial_weights(digits.model).size
     use_strategy(o, o.strategy)
     for cid in ("c0", "c1", "c2"):
@@ -314,103 +288,7 @@ def test_fedavg_single_update_applies_its_whole_delta() -> None:
     np.testing.assert_array_equal(strategy.aggregate(1, w, [u]), [0.25, -0.25])
 
 
-# ---------------------------------------------------------------------------------------------- a real run
-def late_then_valid(cid: str, late_round: int) -> Callable[[Assignment], list[bytes | bytearray]]:
-    """Answers each assignment with a zero delta; right after round ``late_round`` begins it first sends a huge update
-    for the round before it (as a client that finished that round late would), then its valid one."""
-
-    def respond(a: Assignment) -> list[bytes | bytearray]:
-        valid = zero_update(a, cid, 50)
-        frames = [encode(valid)]
-        if a.facts.round == late_round:
-            huge = np.full(valid.delta.size, 1e6, dtype=np.float32)
-            late = dataclasses.replace(
-                valid, round=a.facts.round - 1, model_version=a.facts.model_version - 1, delta=huge, msg_id=new_msg_id()
-            )
-            frames.insert(0, encode(late))
-        return frames
-
-    return respond
-
-
-def test_run_rejects_a_late_update_and_does_not_aggregate_it(broker: Broker, digits, tmp_path: Path) -> None:
-    job = f"o{uuid.uuid4().hex[:10]}"
-    config = make_config(tmp_path, job, rounds=3, count=1)
-    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-    out = tmp_path / "run"
-    orch = Orchestrator(config, link, Evaluator(digits.model, digits.test), digits.model, out)
-    creds = broker.devices["c0"]
-    fake = FakeDevice.over_mqtt(broker.url, creds.username, creds.password, job, "c0", 50, late_then_valid("c0", 2))
-    fake.start()
-    try:
-        summary = orch.run()
-    finally:
-        fake.stop(timeout=30)
-    assert not fake._thread.is_alive()
-    assert fake.error is None, fake.error
-    assert fake.stopped_by_server.is_set()
-    assert [(a.facts.round, a.facts.model_version) for a in fake.assignments] == [(1, 0), (2, 1), (3, 2)]
-
-    assert summary["rounds"] == 3
-    assert summary["rejected"] == {"out_of_round": 1}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2, 3]
-    assert [r["rejected"] for r in rows] == [{}, {"out_of_round": 1}, {}]
-    assert all(r["clients_reported"] == 1 and r["missing"] == [] for r in rows)
-
-    w0 = initial_weights(digits.model)
-    with np.load(out / "checkpoint.npz") as ckpt:
-        np.testing.assert_array_equal(ckpt["weights"], w0)  # zero deltas only: the 1e6 one never got in
-        assert int(ckpt["round"]) == 3 and int(ckpt["model_version"]) == 3
-    tested = Evaluator(digits.model, digits.test)(w0)
-    acc0, loss0 = tested["accuracy"], tested["loss"]
-    assert all(r["accuracy"] == acc0 and r["loss"] == pytest.approx(loss0) for r in rows)
-
-
 def test_update_claiming_more_steps_than_told_is_rejected(orch: Orchestrator) -> None:
     send(orch, "c0", update(orch, "c0", local_steps=3))  # told 2: FedNova/FedVeca would overweight it
     assert orch.link.rejections == {"steps": 1}
     assert received(orch) == {}
-
-
-def test_round_t_is_evaluated_while_round_t_plus_1_trains(broker: Broker, digits, tmp_path: Path) -> None:
-    """The evaluation of round t's model waits for round t+1's assignment to reach the device: it can finish only if
-    it runs beside that round, not between the rounds. The rows still come one per round, in order, each stamped with
-    the time its model was produced (before the next round began) and evaluated on that model."""
-    job = f"o{uuid.uuid4().hex[:10]}"
-    rounds = 3
-    config = make_config(tmp_path, job, rounds=rounds, count=1)
-    link = LinkConfig(broker.url, broker.server.username, broker.server.password)
-    assigned = {r: threading.Event() for r in range(1, rounds + 2)}
-    assigned_at: dict[int, float] = {}
-    saw_next_round: list[bool] = []
-
-    class Gated(Evaluator):
-        def __call__(self, weights: np.ndarray) -> dict[str, float]:
-            round_ = len(saw_next_round) + 1  # FedAvg has no other outputs: one call per round
-            saw_next_round.append(round_ == rounds or assigned[round_ + 1].wait(timeout=60))
-            return super().__call__(weights)
-
-    def respond(a: Assignment) -> list[bytes | bytearray]:
-        assigned_at.setdefault(a.facts.round, time.monotonic())
-        assigned[a.facts.round].set()
-        return [encode(zero_update(a, "c0", 50))]
-
-    out = tmp_path / "run"
-    orch = Orchestrator(config, link, Gated(digits.model, digits.test), digits.model, out)
-    creds = broker.devices["c0"]
-    fake = FakeDevice.over_mqtt(broker.url, creds.username, creds.password, job, "c0", 50, respond)
-    fake.start()
-    start = time.monotonic()
-    try:
-        summary = orch.run()
-    finally:
-        fake.stop(timeout=30)
-    assert summary["rounds"] == rounds and saw_next_round == [True] * rounds
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2, 3]
-    for r in rows[:-1]:  # produced before the device got the next round's assignment
-        assert start + r["elapsed_s"] < assigned_at[r["round"] + 1], r
-    tested = Evaluator(digits.model, digits.test)(initial_weights(digits.model))
-    assert all(r["accuracy"] == tested["accuracy"] and r["loss"] == pytest.approx(tested["loss"]) for r in rows)
-    assert all(r["eval_s"] >= 0 for r in rows)

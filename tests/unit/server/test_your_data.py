@@ -1,12 +1,9 @@
 """A newcomer's own data in simulate (issue 25): a CSV file as devices read it, its features standardised by the
-training split, a factory model's input shape from the data set, and devices that evaluate when told to."""
+training split, a factory model's input shape from the data set, and devices that evaluate when told to. The same
+through `edge-server simulate` and client processes: tests/integration/test_your_data.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,23 +11,13 @@ import pytest
 
 from edge_client.data import load_local_data
 from edge_client.predictor import sample_shape_for
-from edgefl_testkit.federation import make_config, run_simulated
+from edgefl_testkit.federation import make_config
+from edgefl_testkit.own import write_csv
 from server.assembly import model_spec
-from server.broker import Broker
 from server.cli import build_parser
 from server.config import from_dict
 from server.datasets import MAX_STAT_FEATURES, feature_stats, load_dataset
 from server.target import DEFAULT_DEVICE_HOLDOUT, simulated_holdout
-
-
-def write_csv(path: Path, rows: int = 300, seed: int = 0) -> None:
-    """Two classes told apart by a feature in thousands beside one in thousandths: raw, SGD at lr 0.1 cannot."""
-    rng = np.random.default_rng(seed)
-    y = rng.integers(0, 2, rows)
-    big = 5000.0 + 1000.0 * (2 * y - 1) + 300.0 * rng.normal(size=rows)
-    small = 0.001 * rng.normal(size=rows)
-    lines = ["income,ratio,label", *(f"{b:.3f},{s:.6f},{c}" for b, s, c in zip(big, small, y, strict=True))]
-    path.write_text("\n".join(lines) + "\n")
 
 
 def test_a_csv_data_set_is_split_and_standardised_by_its_training_rows(tmp_path: Path) -> None:
@@ -53,24 +40,6 @@ def test_wide_data_gets_one_mean_and_std_that_fit_a_message_header() -> None:
     stats = feature_stats(x)
     assert stats == {"input_mean": pytest.approx(x.mean()), "input_std": pytest.approx(x.std())}
     assert len(feature_stats(x[:, :MAX_STAT_FEATURES])["input_std"]) == MAX_STAT_FEATURES
-
-
-@pytest.mark.integration
-def test_simulate_trains_on_a_csv_file(tmp_path: Path) -> None:
-    """``edge-server simulate --dataset all.csv --label-column label``: accepted, and the standardised features train
-    to the accuracy the data allows (raw, the 1000-scale feature blows SGD up)."""
-    write_csv(tmp_path / "all.csv")
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "server.cli", "simulate", "--in-process", "--dataset", str(tmp_path / "all.csv"),
-        "--label-column", "label", "--clients", "2", "--rounds", "3", "--local-steps", "10", "--batch-size", "16",
-        "--out", str(out), "--job", "csv-simulate",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["dataset"] == "all.csv" and summary["final_accuracy"] >= 0.9, summary
 
 
 def test_partition_writes_device_shards_of_a_csv_file(tmp_path: Path) -> None:
@@ -100,15 +69,3 @@ def test_devices_hold_out_a_split_when_they_evaluate() -> None:
     assert holdout(mode="clients") == holdout(mode="both") == DEFAULT_DEVICE_HOLDOUT
     assert holdout(mode="clients", holdout=0.3) == 0.3
     assert holdout() == holdout(mode="server") == 0.0  # the server's test set evaluates: devices train on it all
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("mode", ["inprocess", "broker"])
-def test_simulate_with_devices_evaluating_and_no_holdout_evaluates(mode: str, broker: Broker, tmp_path: Path) -> None:
-    """[eval] mode = "clients" without [eval] holdout: every round is evaluated by the devices (it was by none)."""
-    config = make_config(tmp_path, f"no-holdout-{mode}", 2, 2, train={"local_steps": 5})
-    config.eval.mode = "clients"
-    summary, ids, _ = run_simulated(mode, config, load_dataset("digits", seed=0), broker)
-    rows = [json.loads(line) for line in (Path(config.run.out) / "metrics.jsonl").read_text().splitlines()]
-    assert [sorted(r["client_eval"]["devices"]) for r in rows] == [ids, ids]
-    assert summary["evaluated_by"] == "devices' held-out splits" and summary["final_client_eval"]["accuracy"] > 0

@@ -1,5 +1,6 @@
 """Differential privacy (docs/privacy.md): the noise actually added, clipping on both sides, the accountant against
-dp-accounting itself, the budget stopping a run, the config refusals, and a run over mosquitto with DP on."""
+dp-accounting itself, the budget stopping a run, the config refusals. A run over mosquitto with DP on:
+tests/integration/test_privacy.py; the privacy benchmark: tests/integration/benchmarks/test_privacy.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ from edge_client.algorithms import CONTRACTS, contract_of
 from edge_client.contract import ContractError, vector_norm
 from edge_client.dp import privatize
 from edge_client.plan import Plan
-from edgefl_testkit.benchmarks import run_benchmark_quick
-from edgefl_testkit.federation import make_config, run_simulated, run_to_end
+from edgefl_testkit.federation import make_config, run_simulated
 from edgefl_testkit.messages import make_update
 from server.config import ConfigError
 from server.datasets import load_dataset
@@ -198,41 +198,6 @@ def test_the_run_stops_before_it_would_exceed_target_epsilon(tmp_path: Path) -> 
     assert [r["epsilon"] for r in rows] == pytest.approx(per_round[:2])
     assert summary["privacy"]["epsilon"] == pytest.approx(per_round[1])
     assert "stopped before round 3" in summary["privacy"]["stopped_by_budget"]
-
-
-@pytest.mark.integration
-def test_a_run_over_mosquitto_with_central_dp_reaches_its_accuracy_within_budget(federation) -> None:
-    """4 edge-client processes, digits, 6 rounds, z = 0.2, C = 2, delta 1e-3: accuracy >= 0.4 (0.59-0.68 in three
-    in-process runs; chance is 0.1) at epsilon 156, a guarantee in name only: four devices cannot buy a useful epsilon
-    (noise z C / 4 per coordinate; docs/privacy.md measures 100 devices). Epsilon is in every row, and what the server
-    received from each device (decoded, before the server's own clipping) is within the clip norm."""
-    privacy = {"mode": "central", "clip_norm": 2.0, "noise_multiplier": 0.2, "delta": 1e-3, "target_epsilon": 160.0}
-    orch, procs = federation("dp", clients=4, rounds=6, privacy=privacy)
-    received: list[float] = []
-    fold = orch.strategy.fold
-
-    def spy(rnd, update, norm=None):  # type: ignore[no-untyped-def]
-        received.append(math.sqrt(sum(vector_norm(v) ** 2 for v in (update.delta, *update.arrays.values()))))
-        return fold(rnd, update, norm)
-
-    orch.strategy.fold = spy
-    summary, rows = run_to_end(orch, procs)
-    assert len(rows) == 6 and all("epsilon" in r for r in rows)
-    assert max(r["accuracy"] for r in rows[-2:]) >= 0.4
-    assert summary["privacy"]["epsilon"] == pytest.approx(rows[-1]["epsilon"]) and summary["privacy"]["epsilon"] <= 160
-    assert len(received) == 24 and max(received) <= 2.0
-    assert (orch.out_dir / "report.png").exists()
-
-
-@pytest.mark.integration
-def test_benchmark_quick(tmp_path: Path) -> None:
-    """``python -m benchmarks.privacy --quick``: both variants ran, the budget was spent, the table and plot written."""
-    data, md = run_benchmark_quick("privacy", tmp_path)
-    by = {r["clipping"]: r for r in data["records"]}
-    assert set(by) == {"none", "fixed"} and by["fixed"]["epsilon"] == pytest.approx(8.0, abs=0.01)
-    assert by["none"]["epsilon"] is None and all(r["rounds"] == 2 for r in by.values())
-    assert "| iid | fixed | 8 |" in md and ("PASS" in md or "MISS" in md)
-    assert (tmp_path / "privacy.png").stat().st_size > 0
 
 
 def test_the_guide_lists_every_algorithm_as_its_contract_declares() -> None:

@@ -1,17 +1,14 @@
 """Heterogeneous fleets (issue 14): device profiles, CPU quotas per client process, per-device deadlines, the deadline
 steps policy, FedUmf's compute reports and the parallel clock.
 
-The quota test runs `edge-server simulate --fleet` as a process with two real clients in cgroups of their own; the
-steps policy and the compute reports run the real server on the in-process bus, with fake devices where the test
-needs hand-made speeds.
+The steps policy and the compute reports run the real server on the in-process bus, with fake devices where the test
+needs hand-made speeds; the cgroups are written in a hierarchy the test makes. Real client processes under the kernel's
+quotas, and the `edge-server fleet` commands: tests/integration/test_fleet.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,8 +22,8 @@ from edge_client.plan import Plan
 from edge_client.protocol import DuplicateMessage, OutOfRound, encode
 from edge_client.topics import Topics
 from edge_client.trainer import TrainResult
-from edgefl_testkit.basics import in_ci
 from edgefl_testkit.fakes import FakeDevice, zero_update
+from edgefl_testkit.fleet import assert_throttled, throttle_run
 from edgefl_testkit.messages import assignment
 from server.admission import WrongSteps
 from server.assembly import make_orchestrator, split_clients
@@ -36,14 +33,13 @@ from server.datasets import load_dataset
 from server.deadlines import MAX_DEVICE_S, MIN_S_PER_STEP, DeviceTimes, Prediction, round_deadline
 from server.device_profiles import REFERENCE_S_PER_100, SHIPPED, calibrated, profile_toml
 from server.experiments import cgroups
-from server.experiments.cgroups import PERIOD_US, CpuLimits
+from server.experiments.cgroups import CpuLimits
 from server.experiments.fleet import Fleet, slowed
 from server.experiments.inprocess import NO_DEADLINE_S, LocalBus, LocalLink, run_inprocess
 from server.experiments.simulate import client_ids, prepare_shards
 from server.fleet_summary import parallel_round_s
 from server.steps_policy import StepsPolicy
 
-ROOT = Path(__file__).resolve().parents[4]
 MLP = {"name": "mlp", "in_features": 64, "num_classes": 10, "hidden": [16]}
 
 
@@ -364,79 +360,13 @@ def test_a_throttling_profile_is_a_pi4_whose_share_drops_from_a_round_on() -> No
             from_dict({"fleet": {"profiles": {"hot": table}}})
 
 
-def _throttle_run(tmp_path: Path, hot_from: int) -> str:
-    """A run configuration of two clients on digits, FedNova with the deadline steps policy; ``client-00`` drops to a
-    tenth of its share from round ``hot_from`` on."""
-    path = tmp_path / "run.toml"
-    path.write_text(f"""
-[run]
-rounds = {hot_from + 1}
-[clients]
-register_timeout_s = 120.0
-[data]
-dataset = "digits"
-[train]
-algorithm = "fednova"
-local_steps = 100
-batch_size = 64
-steps_policy = "deadline"
-round_budget_s = 1.0
-tau_min = 1
-tau_max = 300
-[algorithm.fednova]
-local_steps_mode = "fixed"
-[fleet]
-devices = "hot:1,cool:1"
-[fleet.profiles.hot]
-cpu_share = 0.5
-uplink_mbps = 1000
-downlink_mbps = 1000
-throttle_from_round = {hot_from}
-throttle_share = 0.1
-[fleet.profiles.cool]
-like = "hot"
-throttle_from_round = 0
-""")
-    return str(path)
-
-
-def _assert_throttled(rows: list[dict[str, Any]], hot_from: int) -> None:
-    """The hot device's measured seconds per step rise about 10x from ``hot_from`` on, its flags say it is throttled
-    (and not before), and the deadline policy tells it fewer steps the round after."""
-    hot = [r["clients"]["client-00"] for r in rows]
-    per_step = [c["compute_s"] / c["local_steps"] for c in hot]
-    before, after = per_step[hot_from - 2], per_step[hot_from - 1]
-    assert after > 2.5 * before, per_step  # a 10x drop in CPU share, with ample room for this machine's noise
-    flags = [c["device"]["round"]["throttled_flags"] or [] for c in hot]
-    assert all("throttled" not in f for f in flags[: hot_from - 1]), flags
-    assert all({"throttled", "soft_temp_limit", "throttled_occurred"} <= set(f) for f in flags[hot_from - 1 :]), flags
-    told = [r["instructions"]["client-00"]["local_steps"] for r in rows]
-    assert told[hot_from] < 0.5 * told[hot_from - 1], told  # adapted in the round after the drop
-    cool = [r["instructions"]["client-01"]["local_steps"] for r in rows]
-    assert cool[hot_from] > 0.5 * cool[hot_from - 1], cool  # the other device keeps its steps
-
-
 def test_a_throttling_device_in_process_reports_its_flags_and_is_told_fewer_steps(tmp_path: Path) -> None:
-    config = load_config(_throttle_run(tmp_path, 2))
+    config = load_config(throttle_run(tmp_path, 2))
     config = replace(config, run=replace(config.run, out=str(tmp_path), job="hot"))
     bundle = load_dataset("digits")
     shards, _ = prepare_shards(bundle, client_ids(2), "iid", 0, tmp_path / "shards")
     run_inprocess(config, shards, bundle, tmp_path)
-    _assert_throttled([json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], 2)
-
-
-@pytest.mark.integration
-def test_a_throttling_device_under_a_cgroup_quota_slows_down_and_is_told_fewer_steps(tmp_path: Path) -> None:
-    """`edge-server simulate` with a device whose cgroup quota drops to a tenth from round 2: the kernel's cap is seen
-    in the compute the device measures, in its throttling flags (its emulated vcgencmd) and in the steps it is told."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "server.cli", "simulate", "--config", _throttle_run(tmp_path, 2), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    limits = json.loads((out / "summary.json").read_text())["fleet"]["cpu_limits"]
-    if not limits.startswith("cgroup v"):
-        (pytest.fail if in_ci() else pytest.skip)(limits)
-    _assert_throttled([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], 2)
+    assert_throttled([json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], 2)
 
 
 def test_an_inprocess_fleet_keeps_the_parallel_clock_and_draws_the_timeline(tmp_path: Path) -> None:
@@ -468,77 +398,3 @@ def test_an_inprocess_fleet_keeps_the_parallel_clock_and_draws_the_timeline(tmp_
     assert summary["parallel_clock_s"] == rows[-1]["parallel_elapsed_s"]
     assert summary["fleet"]["spec"] == "pi5:1,pi3:1" and set(summary["per_class"]) == {"pi3", "pi5"}
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
-
-
-# ------------------------------------------------------------------------------------------ kernel-enforced quotas
-@pytest.mark.integration
-def test_a_client_under_a_tenth_of_a_core_computes_several_times_slower_and_the_server_knows(tmp_path: Path) -> None:
-    """`edge-server simulate --fleet fast:1,slow:1` with user profiles of 50% and 10% of one core: each client never
-    gets more than its quota (wall time >= its CPU seconds / its share, whatever else runs on the machine), so the same
-    work takes the slow one several times longer whenever the machine gives the fast one more than the slow one's
-    cap (about 5x on an idle machine; on one saturated by other work both get less than 10% and the caps are all that
-    can be seen); and the overhead and seconds per step the server predicts with are the ones the client measured."""
-    steps = 300
-    (tmp_path / "run.toml").write_text(f"""
-[run]
-rounds = 2
-[clients]
-register_timeout_s = 120.0
-[data]
-dataset = "digits"
-[train]
-local_steps = {steps}
-batch_size = 32
-[fleet]
-devices = "fast:1,slow:1"
-[fleet.profiles.fast]
-cpu_share = 0.5
-uplink_mbps = 100
-downlink_mbps = 100
-[fleet.profiles.slow]
-cpu_share = 0.1
-uplink_mbps = 100
-downlink_mbps = 100
-""")
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "server.cli", "simulate", "--config", str(tmp_path / "run.toml"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    limits = summary["fleet"]["cpu_limits"]
-    if not limits.startswith("cgroup v"):
-        (pytest.fail if in_ci() else pytest.skip)(limits)
-    assert not Path(limits.split(" in ")[1]).exists()  # the run's cgroups are gone
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    fast, slow = ([r["clients"][c] for r in rows] for c in ("client-00", "client-01"))
-    wall, cpu = ({k: sum(c[key] for c in runs) for k, runs in (("fast", fast), ("slow", slow))}
-                 for key in ("compute_s", "cpu_s"))  # fmt: skip
-    # The kernel's cap: a client runs at most share x period per period, after a first period that may fall whole
-    # into the round (its quota at once, then the wait): per round at most one period less than CPU / share.
-    slack = len(rows) * PERIOD_US / 1e6
-    for name, share in (("fast", 0.5), ("slow", 0.1)):
-        assert wall[name] >= cpu[name] / share - slack, (wall, cpu)
-    if cpu["fast"] / wall["fast"] > 0.2:  # the machine gave the fast client more than twice the slow one's cap
-        assert wall["slow"] / cpu["slow"] > 2 * wall["fast"] / cpu["fast"], (wall, cpu)
-    logged = re.search(rf"round 1: {steps} steps in ([0-9.]+) s", (out / "clients" / "client-01.log").read_text())
-    assert logged, "the slow client's log has no line for round 1"
-    predicted = rows[1]["predictions"]["client-01"]
-    assert predicted["steps"] == steps
-    # its overhead, reported beside compute_s over the broker, and its steps add up to the compute it logged
-    assert 0 < predicted["overhead_s"] < predicted["s_per_step"] * steps
-    assert predicted["overhead_s"] + predicted["s_per_step"] * steps == pytest.approx(float(logged.group(1)), abs=5e-4)
-    assert (out / "timeline.png").stat().st_size > 10_000
-
-
-def test_fleet_list_and_calibrate(tmp_path: Path) -> None:
-    listing = subprocess.run([sys.executable, "-m", "server.cli", "fleet", "list"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60, check=True).stdout  # fmt: skip
-    for name, p in SHIPPED.items():
-        assert f"{name}: {p.source[:40]}" in " ".join(listing.split())
-    cmd = [sys.executable, "-m", "server.cli", "fleet", "calibrate", "--seconds-per-100-steps", "5", "--name", "slowpi",
-           "--repeats", "1"]  # fmt: skip
-    text = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout
-    host = float(re.search(r"this machine: ([0-9.]+) CPU s per 100 steps", text).group(1))  # type: ignore[union-attr]
-    (tmp_path / "p.toml").write_text(text[text.index("[fleet.profiles.slowpi]") :])
-    profile = load_config(tmp_path / "p.toml").fleet.profiles["slowpi"]
-    assert profile["cpu_share"] == pytest.approx(min(1.0, host / 5), abs=1e-3)
