@@ -49,8 +49,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import DEFAULT_OUT, machine, machine_line, write_results
-from edge_client.data import ArrayDataset
-from edge_client.messages import Update
+from edge_client.learning.data import ArrayDataset
+from edge_client.wire.messages import Update
 from server.admission import Admission, RoundState
 from server.config import TrainSection
 from server.strategies import STRATEGIES, ServerContext, Strategy, TrainSettings, make_strategy

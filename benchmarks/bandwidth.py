@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import machine, machine_line, write_results
-from edge_client import codecs
-from edge_client.messages import Update
-from edge_client.protocol import decode, encode
+from edge_client.wire import codecs
+from edge_client.wire.messages import Update
+from edge_client.wire.protocol import decode, encode
 
 NAME = "bandwidth"
 TARGET = 0.97

@@ -1,7 +1,7 @@
 """Benchmark 1: client step overhead, seconds per 100 local updates per algorithm against FedAvg (TACO Table I).
 
-Runs the real training path (``edge_client.trainer.train_local`` on a ``FlatModel`` with each algorithm's client
-half, through ``edge_client.speed``'s per-algorithm runner) for the TACO CNN on 28x28 inputs and the Adult MLP,
+Runs the real training path (``edge_client.loop.trainer.train_local`` on a ``FlatModel`` with each algorithm's client
+half, through ``edge_client.tools.speed``'s per-algorithm runner) for the TACO CNN on 28x28 inputs and the Adult MLP,
 batch 64, 100 steps, one torch thread. Every algorithm trains on the plan of the assignment its real server half sends
 (``server.strategies.make_strategy(...).assign``: SCAFFOLD's ``c``, TACO's alpha_i, ...), FedUmf with its paper's
 local optimiser (momentum 0.5, weight decay 5e-4: ``train.momentum``/``train.weight_decay``). Algorithms are
@@ -70,9 +70,9 @@ OPTIMISER: dict[str, tuple[float, float]] = {"fedumf": (0.5, 5e-4)}
 
 def real_plan(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch: int, lr: float, n: int) -> Any:
     """The plan of the algorithm's round-1 assignment from its server half, and where it came from; the contract's
-    defaults (``edge_client.speed.make_plan``) when the server half cannot be built here (DRAG-BR's root data)."""
+    defaults (``edge_client.tools.speed.make_plan``) when the server half cannot be built here (DRAG-BR's root data)."""
     from edge_client.algorithms import client_algorithm
-    from edge_client.speed import make_plan
+    from edge_client.tools.speed import make_plan
     from server.strategies import ServerContext, TrainSettings, make_strategy
 
     momentum, weight_decay = OPTIMISER.get(algorithm, (0.0, 0.0))
@@ -90,12 +90,12 @@ def real_plan(algorithm: str, spec: dict[str, Any], size: int, steps: int, batch
 
 
 def use_plan(runner: Any, plan: Any) -> None:
-    """Make ``runner`` (``edge_client.speed``'s) train every round on ``plan``, its steps and round advanced."""
+    """Make ``runner`` (``edge_client.tools.speed``'s) train every round on ``plan``, its steps and round advanced."""
     import dataclasses
     import types
 
-    from edge_client.speed import facts_of
-    from edge_client.trainer import train_local
+    from edge_client.loop.trainer import train_local
+    from edge_client.tools.speed import facts_of
 
     def run(self: Any, steps: int) -> Any:
         current = dataclasses.replace(plan, steps=steps)
@@ -118,9 +118,9 @@ def make_runner(
     seed: int = 0,
     data: tuple[np.ndarray, np.ndarray] | None = None,
 ):
-    """``edge_client.speed``'s runner with the real server coefficients and, optionally, a given data set."""
-    from edge_client.data import ArrayDataset, BatchSampler
-    from edge_client.speed import LR, _Runner
+    """``edge_client.tools.speed``'s runner with the real server coefficients and, optionally, a given data set."""
+    from edge_client.learning.data import ArrayDataset, BatchSampler
+    from edge_client.tools.speed import LR, _Runner
 
     runner = _Runner(label, spec, algorithm, batch, seed)
     if data is not None:
@@ -134,7 +134,7 @@ def make_runner(
 
 
 def synthetic_data(spec: dict[str, Any], n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    from edge_client.predictor import sample_shape_for
+    from edge_client.learning.predictor import sample_shape_for
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, *sample_shape_for(spec)), dtype=np.float32)
@@ -312,7 +312,7 @@ def render(data: dict[str, Any]) -> str:
         "",
         machine_line(data["machine"]),
         "",
-        f"Seconds per 100 local updates through `edge_client.trainer.train_local` (batch {cfg['batch']}, "
+        f"Seconds per 100 local updates through `edge_client.loop.trainer.train_local` (batch {cfg['batch']}, "
         f"{cfg['steps']} steps per round, {cfg['threads']} torch thread, synthetic data shaped for each model), "
         "every algorithm with the coefficients its server half sends; algorithms interleaved in rotated order, "
         f"an untimed warm-up first; repeats: {repeats_text}. Each round is timed by the trainer's own timers, wall "
@@ -443,7 +443,7 @@ def render(data: dict[str, Any]) -> str:
 
 def run(quick: bool, out: str | None) -> dict[str, Any]:
     from edge_client.algorithms import CLIENT_ALGORITHMS
-    from edge_client.trainer import prepare_process
+    from edge_client.loop.trainer import prepare_process
 
     prepare_process(1)
     algorithms = sorted(CLIENT_ALGORITHMS, key=lambda name: (name != "fedavg", name))

@@ -2,7 +2,7 @@
 
 Each command runs in a fresh process of the device's interpreter (``--client-python``: this checkout's by default;
 ``firmware_scripts/qemu-smoke.sh`` passes the emulated Raspberry Pi's venv) and reports its own high-water mark,
-``VmHWM`` (``edge_client.device.peak_rss_mb``), not ``ru_maxrss``, which a child inherits from its parent through
+``VmHWM`` (``edge_client.loop.device.peak_rss_mb``), not ``ru_maxrss``, which a child inherits from its parent through
 fork and exec. Measured:
 
 * **baseline**: importing torch, the TACO CNN and the MNIST shard (6,000 samples, what ``edge-server partition``
@@ -43,16 +43,16 @@ REPO = Path(__file__).resolve().parent.parent
 #: run by the device's interpreter: the interpreter alone, with what reads the peak
 INTERPRETER = """
 import json, platform
-from edge_client.device import peak_rss_mb
+from edge_client.loop.device import peak_rss_mb
 print(json.dumps({"peak_rss_mb": peak_rss_mb(), "torch_imported": False, "exit": 0, "machine": platform.machine()}))
 """
 #: run by the device's interpreter: the least a training device holds (argv: spec, shard, "step" or "")
 BASELINE = """
 import json, platform, sys
 import torch
-from edge_client.data import load_local_data
-from edge_client.device import peak_rss_mb
-from edge_client.models import build_model
+from edge_client.learning.data import load_local_data
+from edge_client.loop.device import peak_rss_mb
+from edge_client.learning.models import build_model
 torch.set_num_threads(1)
 model = build_model(json.loads(sys.argv[1]))
 data = load_local_data(sys.argv[2])
@@ -66,7 +66,7 @@ LAUNCHER = """
 import json, platform, sys
 from edge_client.cli import main
 code = main(sys.argv[1:])
-from edge_client.device import peak_rss_mb
+from edge_client.loop.device import peak_rss_mb
 print(json.dumps({"peak_rss_mb": peak_rss_mb(), "torch_imported": "torch" in sys.modules, "exit": code,
                   "machine": platform.machine()}))
 sys.exit(code)
@@ -94,8 +94,8 @@ def _files(tmp: Path) -> dict[str, Path]:
     """The shard, test samples and an exported model of the TACO CNN (this machine's torch and onnx export it)."""
     import numpy as np
 
-    from edge_client.models import build_model, get_flat
-    from edge_client.predictor import export_onnx
+    from edge_client.learning.models import build_model, get_flat
+    from edge_client.learning.predictor import export_onnx
     from server.datasets import load_dataset
 
     bundle = load_dataset("mnist")
@@ -133,10 +133,10 @@ def _updates(out: Path) -> int:
 
 def measure(client_python: str, quick: bool, timeout: float = 3600.0) -> dict[str, Any]:
     """Peak RSS of the baseline and of each command, one after another, each in a fresh process."""
-    from edge_client.messages import ModelFile
-    from edge_client.protocol import encode
-    from edge_client.topics import Topics
-    from edge_client.transport import LinkConfig, MqttLink
+    from edge_client.wire.messages import ModelFile
+    from edge_client.wire.protocol import encode
+    from edge_client.wire.topics import Topics
+    from edge_client.wire.transport import LinkConfig, MqttLink
     from server.broker import Broker, BrokerSettings
 
     steps = 5 if quick else 100

@@ -2,7 +2,7 @@
 
 The REAL ``server.orchestrator.Orchestrator`` (FedAvg) runs in a process of its own against a mosquitto started by
 ``server.broker.Broker`` (one login per device, the edgefl ACL). The clients do not train: each is a real
-``edge_client.transport.MqttLink`` with its own credentials, run by a few worker processes (one thread per link),
+``edge_client.wire.transport.MqttLink`` with its own credentials, run by a few worker processes (one thread per link),
 that says hello, keeps each round's model from the broadcast (verified against its sha256; asking the server for one
 it missed) and answers every assignment with a real encoded ``Update`` through the chunked publish path devices use.
 The update of client ``i`` in round ``r`` is
@@ -91,12 +91,12 @@ def _serve_link(
     lock: threading.Lock,
 ) -> None:
     """One device at protocol level: hello, keep the round models it is sent (asking the server for one it missed, as
-    ``edge_client.runtime`` does), answer each assignment with the deterministic update until stop."""
-    from edge_client.messages import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update
-    from edge_client.models_cache import ModelCache
-    from edge_client.protocol import encode
-    from edge_client.topics import Topics
-    from edge_client.transport import LinkConfig, MqttLink
+    ``edge_client.loop.runtime`` does), answer each assignment with the deterministic update until stop."""
+    from edge_client.loop.models_cache import ModelCache
+    from edge_client.wire.messages import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update
+    from edge_client.wire.protocol import encode
+    from edge_client.wire.topics import Topics
+    from edge_client.wire.transport import LinkConfig, MqttLink
 
     topics = Topics(JOB)
     index = client_index(cid)
@@ -338,11 +338,11 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
     """One federation of ``clients`` devices through a fresh broker, the server in this process."""
     import torch
 
-    from edge_client.data import ArrayDataset
-    from edge_client.messages import GlobalModel, model_digest
-    from edge_client.models import build_model, get_flat
-    from edge_client.protocol import encode
-    from edge_client.transport import LinkConfig
+    from edge_client.learning.data import ArrayDataset
+    from edge_client.learning.models import build_model, get_flat
+    from edge_client.wire.messages import GlobalModel, model_digest
+    from edge_client.wire.protocol import encode
+    from edge_client.wire.transport import LinkConfig
     from server.broker import Broker, BrokerSettings
     from server.config import from_dict
     from server.evaluation import Evaluator

@@ -4,8 +4,9 @@ Each measurement is a fresh subprocess (``--worker``) that imports the same pack
 edge_client training modules), builds the same synthetic MNIST-sized local data set (6,000 samples, an MNIST shard
 of ``edge-server simulate``), then trains two rounds of ``steps`` steps at batch 64 on the TACO CNN, one thread:
 
-* ``client``: the client runtime's training path, ``FlatModel`` + ``edge_client.trainer.train_local`` with the
-  algorithm's client half and the plan of the assignment its server half sends (via ``edge_client.speed``'s runner);
+* ``client``: the client runtime's training path, ``FlatModel`` + ``edge_client.loop.trainer.train_local`` with the
+  algorithm's client half and the plan of the assignment its server half sends (via ``edge_client.tools.speed``'s
+  runner);
 * ``bare``: ``torch.optim.SGD`` on the same ``nn.Module``, same batches.
 
 Each worker reports its own peak RSS (``VmHWM``: ``ru_maxrss`` would carry over the parent's peak through fork and
@@ -57,11 +58,11 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import edge_client.algorithms
-    import edge_client.plan
-    import edge_client.speed
-    import edge_client.trainer
-    from edge_client.data import BatchSampler
-    from edge_client.models import build_model
+    import edge_client.loop.trainer
+    import edge_client.tools.speed
+    import edge_client.wire.plan
+    from edge_client.learning.data import BatchSampler
+    from edge_client.learning.models import build_model
 
     torch.set_num_threads(1)
     spec, steps, rounds = cfg["spec"], int(cfg["steps"]), int(cfg["rounds"])
@@ -86,14 +87,14 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 opt.step()
     else:
         from benchmarks.client_overhead import use_plan
-        from edge_client.data import ArrayDataset
+        from edge_client.learning.data import ArrayDataset
 
-        edge_client.trainer.prepare_process(1)
-        runner = edge_client.speed._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
+        edge_client.loop.trainer.prepare_process(1)
+        runner = edge_client.tools.speed._Runner("memory", spec, cfg["algorithm"], BATCH, 0)
         runner.dataset = ArrayDataset(x, y)
         runner.sampler = BatchSampler(n, BATCH, 0, f"bench-{cfg['algorithm']}")
         arrays = {k: np.zeros(runner.flat.size, dtype=np.float32) for k in cfg["arrays"]}
-        use_plan(runner, edge_client.plan.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
+        use_plan(runner, edge_client.wire.plan.Plan(steps, LR, BATCH, **cfg["plan"], arrays=arrays))
         if cfg.get("fg_batch"):  # what-if for a suggested fix: the full gradient in smaller batches
             import functools
 
@@ -132,7 +133,7 @@ def _run_worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _client_cfg(algorithm: str, steps: int, rounds: int, samples: int) -> dict[str, Any]:
     from benchmarks.client_overhead import real_plan
-    from edge_client.models import build_model, num_params
+    from edge_client.learning.models import build_model, num_params
 
     size = num_params(build_model(SPEC))
     plan, _ = real_plan(algorithm, SPEC, size, steps, BATCH, LR, samples)
@@ -157,7 +158,7 @@ def _mb(kb: float) -> float:
 
 def measure(quick: bool) -> dict[str, Any]:
     from edge_client.algorithms import CLIENT_ALGORITHMS
-    from edge_client.models import build_model, num_params
+    from edge_client.learning.models import build_model, num_params
 
     d = num_params(build_model(SPEC))
     if quick:

@@ -329,7 +329,7 @@ def clean_eval(tl: Timeline, repeats: int) -> dict[str, float] | None:
     import numpy as np
     import torch
 
-    from edge_client.models import build_model, get_flat
+    from edge_client.learning.models import build_model, get_flat
 
     torch.manual_seed(0)
     weights = get_flat(build_model(tl.model_spec)).astype(np.float32)

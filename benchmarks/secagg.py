@@ -5,11 +5,11 @@ A device's cost depends on its number of neighbours ``k`` alone (the complete gr
 (``edge_client.secagg``) runs one device's round among ``k + 1`` devices in memory: its keys, its encrypted shares
 for ``k`` neighbours, decrypting theirs and masking its update (``k`` pairwise streams and its own), and its reveal;
 the wall clock of each stage is timed on this machine (median of the repeats). Its bytes are the real frames of its
-messages (``edge_client.protocol.encode``), up and down, against the plain fp32 update it would upload otherwise.
+messages (``edge_client.wire.protocol.encode``), up and down, against the plain fp32 update it would upload otherwise.
 The server's unmasking of ``n`` inputs (one seed rebuilt from ``t`` shares and one stream per survivor, plus a mask
 key and ``k`` streams per dropped device) is timed the same way. The target: the device's overhead per round below
-the time of 10 local steps of the same model (FedAvg, batch 64, one torch thread, ``edge_client.speed``); total bytes
-per device below 1.5x the plain fp32 upload at 100 devices with SecAgg+'s graph.
+the time of 10 local steps of the same model (FedAvg, batch 64, one torch thread, ``edge_client.tools.speed``); total
+bytes per device below 1.5x the plain fp32 upload at 100 devices with SecAgg+'s graph.
 
     python -m benchmarks.secagg [--quick] [--out DIR]
 """
@@ -45,10 +45,10 @@ def _timed(fn: Any) -> tuple[Any, float]:
 
 def device_round(k: int, size: int, delta: np.ndarray, n: int) -> dict[str, Any]:
     """One device's stages among ``k + 1`` devices (all in memory), timed, and the frames it sends and receives."""
-    from edge_client import messages as M
-    from edge_client.protocol import encode
     from edge_client.secagg.device import DeviceRound
     from edge_client.secagg.ring import Ring
+    from edge_client.wire import messages as M
+    from edge_client.wire.protocol import encode
 
     ids = [f"d{i:03d}" for i in range(k + 1)]
     me, others = ids[0], ids[1:]
@@ -117,8 +117,8 @@ def server_unmask(n: int, k: int, size: int) -> dict[str, float]:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    from edge_client.models import build_model, get_flat
-    from edge_client.speed import benchmark
+    from edge_client.learning.models import build_model, get_flat
+    from edge_client.tools.speed import benchmark
 
     size = get_flat(build_model(MODEL)).size
     delta = np.random.default_rng(0).normal(0, 1e-3, size).astype(np.float32)

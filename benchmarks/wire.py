@@ -2,14 +2,14 @@
 
 For updates of 0.1M, 1M and 11M float32 parameters (``--quick``: 0.1M only) it measures, with the project's own code:
 
-* encode (``edge_client.protocol.encode``) and decode (``decode``) throughput in GB/s of array bytes (4 d), interleaved
-  and repeated (median); decode must return the delta as a view of the payload (``np.shares_memory``);
-* bytes on the wire over ``4 d``: the single frame, and all chunk frames of ``edge_client.chunking.split`` at 1 MiB
+* encode (``edge_client.wire.protocol.encode``) and decode (``decode``) throughput in GB/s of array bytes (4 d),
+  interleaved and repeated (median); decode must return the delta as a view of the payload (``np.shares_memory``);
+* bytes on the wire over ``4 d``: the single frame, and all chunk frames of ``edge_client.wire.chunking.split`` at 1 MiB
   (plus, for information, the MQTT PUBLISH header of every frame);
-* one update through a real mosquitto (``server.broker.Broker`` in a temp dir; two ``edge_client.transport.MqttLink``
-  connections; encode -> ``publish`` on one -> ``receive()`` on the other, which reassembles and decodes) with 1 MiB
-  chunks against one unchunked message (chunk size above the message size, broker ``max_packet_size`` raised to fit),
-  for 1M and 11M parameters (``--quick``: 0.1M).
+* one update through a real mosquitto (``server.broker.Broker`` in a temp dir; two
+  ``edge_client.wire.transport.MqttLink`` connections; encode -> ``publish`` on one -> ``receive()`` on the other, which
+  reassembles and decodes) with 1 MiB chunks against one unchunked message (chunk size above the message size, broker
+  ``max_packet_size`` raised to fit), for 1M and 11M parameters (``--quick``: 0.1M).
 
 Run: ``python -m benchmarks.wire [--quick] [--out DIR]``.
 """
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import machine, machine_line, median_time, write_results
-from edge_client.chunking import DEFAULT_CHUNK_SIZE, split
-from edge_client.messages import Update, new_msg_id
-from edge_client.protocol import decode, encode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.wire.chunking import DEFAULT_CHUNK_SIZE, split
+from edge_client.wire.messages import Update, new_msg_id
+from edge_client.wire.protocol import decode, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 
 NAME = "wire"
 FULL_SIZES = (100_000, 1_000_000, 11_000_000)
@@ -290,7 +290,7 @@ def miss_text(r: dict[str, Any], key: str) -> str:
         if share < 0.7:
             return (
                 f"Measured cause: encode reaches only {share:.0%} of the copy floor; see the cProfile under `profile` "
-                "in wire.json. Next step: remove the extra pass it shows in edge_client/protocol.py `encode`."
+                "in wire.json. Next step: remove the extra pass it shows in edge_client/wire/protocol.py `encode`."
             )
         cause = (
             f"Measured cause: encode runs at {share:.0%} of the copy floor ({r['copy_floor_gbs']:.2f} GB/s, one "
@@ -309,7 +309,7 @@ def miss_text(r: dict[str, Any], key: str) -> str:
         return cause + (
             f"Copying into a reused buffer runs at {r['copy_reused_gbs']:.2f} GB/s: the fresh allocation's page "
             "faults (an mmap above glibc's 32 MiB threshold, one fault per 4 KiB page) are the cost. Next step: let "
-            "encode fill a caller-owned, reused buffer (an `encode_into(msg, buf)` in edge_client/protocol.py)."
+            "encode fill a caller-owned, reused buffer (an `encode_into(msg, buf)` in edge_client/wire/protocol.py)."
         )
     if key == "verdict_zero_copy":
         return "Measured cause: decode returned a copy. Next step: check `np.frombuffer` in protocol.decode."

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from edge_client.transport import LinkConfig
+    from edge_client.wire.transport import LinkConfig
 
 from edge_client import __version__
-from edge_client.chunking import DEFAULT_CHUNK_SIZE
 from edge_client.exits import ExitStatus, describe
+from edge_client.wire.chunking import DEFAULT_CHUNK_SIZE
 
 
 class Terminated(Exception):
@@ -35,7 +35,7 @@ def _password(args: argparse.Namespace) -> str | None:
 
 
 def _link_config(args: argparse.Namespace, **extra: Any) -> LinkConfig:
-    from edge_client.transport import LinkConfig
+    from edge_client.wire.transport import LinkConfig
 
     username = args.username or args.client_id
     return LinkConfig(url=args.broker, username=username, password=_password(args), ca_file=args.ca_file, **extra)
@@ -45,7 +45,7 @@ LABEL_COLUMN_HELP = "CSV data: the column holding the target (every other one is
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
-    from edge_client.fetch import fetch_model
+    from edge_client.tools.fetch import fetch_model
 
     meta = fetch_model(_link_config(args), args.client_id, Path(args.out), job=args.job, timeout=args.timeout)
     print(f"wrote {args.out} (round {meta['round']}, sha256 {meta['sha256'][:12]}...) and {args.out}.json")
@@ -54,10 +54,10 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
     """``train``: a replacement for the local training (robustness experiments wrap it; devices never do)."""
-    from edge_client.data import load_local_data, split_holdout
-    from edge_client.factories import AllowedCode
-    from edge_client.runtime import EdgeClient
-    from edge_client.trainer import train_local
+    from edge_client.learning.data import load_local_data, split_holdout
+    from edge_client.learning.factories import AllowedCode
+    from edge_client.loop.runtime import EdgeClient
+    from edge_client.loop.trainer import train_local
 
     dataset, holdout = load_local_data(args.data, args.label_column), None
     if args.holdout:
@@ -83,8 +83,8 @@ def cmd_run(args: argparse.Namespace, train: Any = None) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """One line per item (edge_client/check.py); exit status 0 when the device is ready, 1 when not."""
-    from edge_client.check import check_all, report
+    """One line per item (edge_client/tools/check.py); exit status 0 when the device is ready, 1 when not."""
+    from edge_client.tools.check import check_all, report
 
     def config() -> LinkConfig:  # called inside the broker item: an unreadable password file is a FAIL line
         return _link_config(args, session_expiry_s=0, connect_timeout_s=args.timeout)
@@ -96,7 +96,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     """Inference with onnxruntime only: torch is never imported on this path."""
     import numpy as np
 
-    from edge_client.predictor import Predictor
+    from edge_client.learning.predictor import Predictor
 
     predictor = Predictor(args.model, intra_op_num_threads=args.threads, verify=not args.no_verify)
     with np.load(args.input, allow_pickle=False) as data:
@@ -119,7 +119,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_benchmark(args: argparse.Namespace) -> int:
-    from edge_client.speed import DEFAULT_MODELS, benchmark, format_table
+    from edge_client.tools.speed import DEFAULT_MODELS, benchmark, format_table
 
     models = None
     if args.models:
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopped (SIGTERM)")
         return ExitStatus.FINISHED
     except (ConnectionError, TimeoutError) as exc:
-        from edge_client.transport import LoginRefused
+        from edge_client.wire.transport import LoginRefused
 
         log.error("%s", exc)
         return ExitStatus.REFUSED if isinstance(exc, LoginRefused) else ExitStatus.UNAVAILABLE
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return ExitStatus.CONFIG
     except RuntimeError as exc:
-        from edge_client.runtime import Refused
+        from edge_client.loop.runtime import Refused
 
         if not isinstance(exc, Refused):
             raise

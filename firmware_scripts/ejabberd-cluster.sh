@@ -25,7 +25,7 @@ Usage:
 EOF
 }
 
-id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' # edge_client.topics.CLIENT_ID_RE
+id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' # edge_client.wire.topics.CLIENT_ID_RE
 XMPP_HOST=edgefl.local
 need_arg() { if [ "$#" -lt 2 ] || [ -z "$2" ]; then die "$1 needs a value"; fi; }
 new_password() { openssl rand -base64 24 | tr -d '/+=\n' | cut -c1-24; }

@@ -91,7 +91,7 @@ case "$ARCH" in
 Debian armhf have none). Install the 64-bit Raspberry Pi OS (aarch64) on a Pi 3, 4, 5 or Zero 2 W." ;;
     *) die "unsupported architecture $ARCH (supported: aarch64; x86_64 for testing)" ;;
 esac
-id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'   # edge_client.topics.CLIENT_ID_RE
+id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$'   # edge_client.wire.topics.CLIENT_ID_RE
 [[ $JOB =~ $id_re ]] || die "invalid --job '$JOB' (letters, digits, _ . -; at most 64)"
 [[ $SVC_USER =~ ^[a-z_][a-z0-9_-]{0,30}$ ]] || die "invalid --user '$SVC_USER'"
 [[ $THREADS =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer, got '$THREADS'"

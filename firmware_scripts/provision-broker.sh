@@ -39,7 +39,7 @@ Usage:
 EOF
 }
 
-id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' # edge_client.topics.CLIENT_ID_RE
+id_re='^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$' # edge_client.wire.topics.CLIENT_ID_RE
 
 # The same text as server/acl.py acl_rules(server_user, job); tests/integration/test_firmware.py asserts byte equality.
 acl_rules() {

@@ -224,11 +224,11 @@ for line in open(sys.argv[1]):
 print("importing training: one step of the TACO CNN through the bundle's edgefl (train_local, FedAvg)", flush=True)
 import numpy as np, torch
 from edge_client.algorithms import client_algorithm
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.models import build_model
-from edge_client.plan import Plan
-from edge_client.trainer import train_local
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.learning.models import build_model
+from edge_client.wire.plan import Plan
+from edge_client.loop.trainer import train_local
 spec = {"name": "cnn", "in_channels": 1, "num_classes": 10, "image_size": 28}
 rng = np.random.default_rng(0)
 data = ArrayDataset(rng.random((64, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, 64))
@@ -418,7 +418,7 @@ emulated predict "$VENV/bin/edge-client" predict --model "$RUN/model.onnx" --inp
 import sys
 from pathlib import Path
 import numpy as np
-from edge_client.predictor import Predictor
+from edge_client.learning.predictor import Predictor
 run = Path(sys.argv[1])
 with np.load(run / "samples.npz") as s, np.load(run / "predictions.npz") as p:
     x, y, device = s["x"], s["y"], p["predictions"]

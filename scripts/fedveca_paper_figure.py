@@ -21,7 +21,7 @@ import matplotlib
 import numpy as np
 import torch
 
-from edge_client.models import SquaredSVM
+from edge_client.learning.models import SquaredSVM
 from server.datasets import load_dataset
 
 matplotlib.use("Agg")

@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.codecs import FP32, CodecSpec
-from edge_client.contract import Contract, checked_norm
-from edge_client.messages import Update
-from edge_client.protocol import (
+from edge_client.algorithms.contract import Contract, checked_norm
+from edge_client.wire.codecs import FP32, CodecSpec
+from edge_client.wire.messages import Update
+from edge_client.wire.protocol import (
     DuplicateMessage,
     InvalidField,
     MissingField,

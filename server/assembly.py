@@ -10,11 +10,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from edge_client.data import ArrayDataset
-from edge_client.factories import FACTORY_KEY
-from edge_client.models import INPUT_SHAPE_KEY
-from edge_client.tasks import build_task
-from edge_client.transport import Link, LinkConfig
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.factories import FACTORY_KEY
+from edge_client.learning.models import INPUT_SHAPE_KEY
+from edge_client.learning.tasks import build_task
+from edge_client.wire.transport import Link, LinkConfig
 from server.config import ConfigError, RunConfig
 from server.datasets import NO_DATA, DatasetBundle, load_dataset, split_root
 from server.deadlines import DeviceTimes

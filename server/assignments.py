@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.messages import RoundFacts
-from edge_client.plan import Plan
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.wire.messages import RoundFacts
+from edge_client.wire.plan import Plan
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.admission import RoundState
 from server.codec_policy import CodecPolicy
 from server.config import RunConfig

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from server.acl import SHARED_TOPICS
 
 #: Where mosquitto finds the system's CA certificates when the bridge is given no CA file of its own (Debian).

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from server import device_profiles
 from server.config import ConfigError, RunConfig, load_config, override
 from server.dashboard.server import Address, DashboardServer, announce, serve_dashboard
@@ -110,7 +110,7 @@ def _add_run_flags(parser: argparse.ArgumentParser, extra: dict[str, tuple[str, 
 
 def _config(args: argparse.Namespace) -> RunConfig:
     """The validated configuration, the algorithm and its settings included, before anything is started."""
-    from edge_client.factories import AllowedCode
+    from edge_client.learning.factories import AllowedCode
     from server.strategies import build_strategy
 
     AllowedCode.of(args.model_path or ()).activate()
@@ -123,7 +123,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
 def settings_help() -> str:
     """Every algorithm's settings as its contract declares them, for the run and simulate ``--help``."""
     from edge_client.algorithms import CONTRACTS
-    from edge_client.contract import settings_rows
+    from edge_client.algorithms.contract import settings_rows
 
     lines = ["algorithm settings, set in a config file as [algorithm.NAME] SETTING = VALUE (docs/algorithms.md):"]
     current = ""
@@ -245,7 +245,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         for name, p in sorted(known.items()):
             console.print(f"{name}: {p.source}", highlight=False)
         return 0
-    from edge_client.speed import DEFAULT_MODELS, benchmark
+    from edge_client.tools.speed import DEFAULT_MODELS, benchmark
 
     if args.model not in DEFAULT_MODELS:
         raise ValueError(f"--model {args.model!r}: choose one of {', '.join(DEFAULT_MODELS)} (edge-client benchmark's)")

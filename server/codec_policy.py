@@ -17,9 +17,9 @@ import math
 from collections import deque
 from typing import Any
 
-from edge_client import codecs
-from edge_client.codecs import CodecSpec
-from edge_client.contract import Contract
+from edge_client.algorithms.contract import Contract
+from edge_client.wire import codecs
+from edge_client.wire.codecs import CodecSpec
 
 WINDOW = 5  # uploads a rate is measured over
 MAX_REPORTED_BYTES = 1 << 34

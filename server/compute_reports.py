@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from edge_client.messages import ComputeReport
-from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
+from edge_client.wire.messages import ComputeReport
+from edge_client.wire.protocol import DuplicateMessage, InvalidField, OutOfRound
 from server.admission import WrongSteps
 
 KEEP_ROUNDS = 4

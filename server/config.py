@@ -40,8 +40,8 @@ from typing import Any
 
 import tomllib
 
-from edge_client import codecs
 from edge_client.algorithms import CONTRACTS, contract_of
+from edge_client.wire import codecs
 from server.buffered.staleness import MODES, STALENESS_WEIGHTS
 from server.device_profiles import fleet_size, profiles
 from server.dp.settings import PrivacySection, privacy_refusal
@@ -152,8 +152,8 @@ class TrainSection:
     round_budget_s: float = 0.0  # the round time the deadline policy fits (required with it)
     tau_min: int = 1  # the deadline policy's least steps
     tau_max: int = 0  # 0: train.local_steps
-    # Compression (edge_client/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"), or
-    # with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
+    # Compression (edge_client/wire/codecs.py, server/codec_policy.py). codec: what every device uploads with ("fixed"),
+    # or with codec_policy = "link" what a device uploads with until its link has been measured; from then on it gets
     # the first (least lossy) codec of codec_ladder whose upload fits in upload_budget_s at its measured rate.
     codec: str = "fp32"  # fp32 | fp16 | int8[:B] | topk:F | topk:F+int8[:B] (docs/compression.md)
     codec_policy: str = "fixed"  # fixed: every device uses codec | link: per device, from its measured upload rate
@@ -213,9 +213,9 @@ class RunConfig:
     # (one sample) is for the ONNX export. Default: the data set's model (docs/own-model.md)
     model: dict[str, Any] = field(default_factory=dict)
     # name = classification (cross-entropy; accuracy) | regression (MSE; MAE, RMSE) | binary (BCE; accuracy, AUC), or
-    # factory = "package.module:callable" returning an edge_client.tasks.Task (loss, metrics, main metric, directions,
-    # and ranges={"loss": (0, inf), ...}: device reports outside them are refused) plus its arguments. Default:
-    # classification
+    # factory = "package.module:callable" returning an edge_client.learning.tasks.Task (loss, metrics, main metric,
+    # directions, and ranges={"loss": (0, inf), ...}: device reports outside them are refused) plus its arguments.
+    # Default: classification
     task: dict[str, Any] = field(default_factory=dict)
     # each algorithm's settings as its contract declares them (edge_client/algorithms/<name>.py; docs/algorithms.md)
     algorithm: dict[str, dict[str, Any]] = field(default_factory=dict)

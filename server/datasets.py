@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.data import ArrayDataset, load_csv, load_idx_pair, prepare_images
+from edge_client.learning.data import ArrayDataset, load_csv, load_idx_pair, prepare_images
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -59,7 +59,7 @@ class DatasetNotInstalled(RuntimeError):
 
 @dataclass
 class DatasetBundle:
-    """A train/test pair with the default model spec that fits it (see ``edge_client.models.build_model``)."""
+    """A train/test pair with the default model spec that fits it (see ``edge_client.learning.models.build_model``)."""
 
     name: str
     train: ArrayDataset
@@ -246,7 +246,8 @@ def _user_bundle(name: str, train: ArrayDataset, test: ArrayDataset) -> DatasetB
 
 
 def _load_csv(path: Path, label_column: str, seed: int) -> DatasetBundle:
-    """One CSV file as a device reads it (``edge_client.data.load_csv``), split seeded into training and test."""
+    """One CSV file as a device reads it (``edge_client.learning.data.load_csv``), split seeded into training and
+    test."""
     if not label_column:
         raise ValueError(
             f"{path}: a CSV data set needs the column holding the target: set data.label_column (--label-column NAME)"

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 from server.config import ClientsSection
 
 #: Shortest seconds a local step is taken to last: no model with a gradient steps in under a microsecond on a CPU.

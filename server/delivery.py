@@ -2,7 +2,7 @@
 repeat, and the round's assignment again when the device lost it.
 
 Acknowledgements go end to end, not only to the broker: a broker that crashes before its snapshot loses what it had
-acknowledged, so a device keeps its update until the server itself answers (``edge_client.session``). The server
+acknowledged, so a device keeps its update until the server itself answers (``edge_client.loop.session``). The server
 answers every hello, update, failure report and resync with an ``Ack`` (accepted, or refused with the reason code
 counted in the metrics and its text), remembers the newest answers per device by message id, and answers a repeat
 with the same verdict without processing it again: an update is never aggregated twice, and a lost ack costs one more
@@ -18,10 +18,10 @@ import logging
 from collections import Counter, OrderedDict
 from typing import Any
 
-from edge_client.messages import Ack, Assignment, Failure, Hello, Message, Resync, Update
-from edge_client.protocol import ProtocolError, encode
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.wire.messages import Ack, Assignment, Failure, Hello, Message, Resync, Update
+from edge_client.wire.protocol import ProtocolError, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.admission import RoundState
 from server.rate_limits import RESENDS_PER_ROUND, RateLimited
 

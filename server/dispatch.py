@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Protocol
 
-from edge_client.messages import (
+from edge_client.wire.messages import (
     ComputeReport,
     Evaluation,
     Failure,
@@ -32,7 +32,7 @@ from edge_client.messages import (
     Resync,
     Update,
 )
-from edge_client.protocol import (
+from edge_client.wire.protocol import (
     MAX_HEADER_BYTES,
     DuplicateMessage,
     InvalidField,
@@ -40,8 +40,8 @@ from edge_client.protocol import (
     ProtocolError,
     dropped_entries,
 )
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.admission import Admission, RoundState
 from server.codec_policy import CodecPolicy
 from server.compute_reports import ComputeReports

@@ -5,10 +5,10 @@ A round's assignments all start from the same model and share the arrays their c
 Those travel once, as one ``GlobalModel`` named by its sha256, published frame by frame on the job's round-model
 topics (``Topics.round_model_frame(i)``, retained, so a broker that keeps retained messages can hand a device that
 connects mid-round the whole model); a version is published once however many rounds start from it. Each assignment
-carries its plan as the strategy made it (``edge_client.plan.Plan``, never copied), the round's facts naming the model
-by version and digest, the shared arrays' names it uses and the arrays meant for that client alone. Nothing depends on
-the retained copy (an ejabberd cluster does not share it across nodes, docs/scaling.md): a device that did not get the
-model asks (``ModelRequest``) and is sent it on its own topic, once per round, and once more if it lost its
+carries its plan as the strategy made it (``edge_client.wire.plan.Plan``, never copied), the round's facts naming the
+model by version and digest, the shared arrays' names it uses and the arrays meant for that client alone. Nothing
+depends on the retained copy (an ejabberd cluster does not share it across nodes, docs/scaling.md): a device that did
+not get the model asks (``ModelRequest``) and is sent it on its own topic, once per round, and once more if it lost its
 assignment, never more than ``RESENDS_PER_ROUND`` times whatever it asks (``server.rate_limits``). The server's egress
 is counted here, per round.
 
@@ -26,13 +26,13 @@ from collections.abc import Collection
 
 import numpy as np
 
-from edge_client import chunking
-from edge_client.contract import Contract
-from edge_client.messages import Assignment, GlobalModel, ModelRequest, RoundFacts, model_digest
-from edge_client.plan import Plan
-from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound, encode
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.algorithms.contract import Contract
+from edge_client.wire import chunking
+from edge_client.wire.messages import Assignment, GlobalModel, ModelRequest, RoundFacts, model_digest
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import DuplicateMessage, InvalidField, OutOfRound, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.downlink import Downlink
 from server.rate_limits import RESENDS_PER_ROUND, RateLimited
 

@@ -16,8 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from edge_client import codecs
-from edge_client.messages import GlobalModel, model_digest, new_msg_id
+from edge_client.wire import codecs
+from edge_client.wire.messages import GlobalModel, model_digest, new_msg_id
 
 
 class Downlink:

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_client.data import ArrayDataset
-from edge_client.models import build_model, set_flat
-from edge_client.tasks import TASKS, Task, evaluate
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.models import build_model, set_flat
+from edge_client.learning.tasks import TASKS, Task, evaluate
 
 
 class Evaluator:
@@ -33,7 +33,8 @@ class Evaluator:
         self.batch_size = batch_size
 
     def __call__(self, weights: np.ndarray) -> dict[str, float]:
-        """``{"loss": ..., <metric>: ...}`` of ``weights`` on the held-out test set (``edge_client.tasks.evaluate``)."""
+        """``{"loss": ..., <metric>: ...}`` of ``weights`` on the held-out test set
+        (``edge_client.learning.tasks.evaluate``)."""
         set_flat(self.model, weights)
         return evaluate(self.model, self.task, self.test, self.batch_size)
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_client.messages import Evaluate, Evaluation
-from edge_client.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound, ProtocolError, encode
-from edge_client.tasks import Task, combine_reports
+from edge_client.learning.tasks import Task, combine_reports
+from edge_client.wire.messages import Evaluate, Evaluation
+from edge_client.wire.protocol import DuplicateMessage, InvalidField, NonFiniteValues, OutOfRound, ProtocolError, encode
 from server.admission import WrongSampleCount
 from server.config import EvalSection
 from server.roster import Roster

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from edge_client import codecs
-from edge_client.device import THROTTLE_BITS
-from edge_client.protocol import ProtocolError
-from edge_client.topics import CLIENT_ID_RE
+from edge_client.loop.device import THROTTLE_BITS
+from edge_client.wire import codecs
+from edge_client.wire.protocol import ProtocolError
+from edge_client.wire.topics import CLIENT_ID_RE
 from server.fleet_summary import device_class
 from server.live_state import LIVE_FILE
 from server.strict_json import json_safe
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 #: Devices exported one by one; past this many (a broker open to anyone), the rest are summed as ``other``.
 MAX_DEVICES = 1000
 OTHER, UNREGISTERED = "other", "unregistered"
-#: Free-form map entries a decoder dropped are counted as ``dropped_<why>`` (edge_client/schema.py: FreeMap).
+#: Free-form map entries a decoder dropped are counted as ``dropped_<why>`` (edge_client/wire/schema.py: FreeMap).
 _DROPPED_RE = re.compile(r"dropped_[a-z_]{1,24}")
 _CODEC_RE = re.compile(r"[a-z0-9:+.]{1,32}")
 
@@ -228,7 +228,7 @@ class FleetMetrics(Collector):
                 d.totals["edgefl_device_rounds_missed_total"] += 1
 
     def _device_round(self, d: _Device, facts: dict[str, Any]) -> None:
-        """The device's own account of its last round (``edge_client.device.summarise``), untrusted."""
+        """The device's own account of its last round (``edge_client.loop.device.summarise``), untrusted."""
         d.temperature_c = _finite(facts.get("temperature_c_after"))
         d.frequency_mhz = _finite(facts.get("cpu_freq_mhz_after"))
         d.peak_rss_mb = _finite(facts.get("peak_rss_mb"))

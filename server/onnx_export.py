@@ -1,7 +1,7 @@
-"""Export the global model to ONNX for inference on devices (``edge_client.predictor.Predictor``).
+"""Export the global model to ONNX for inference on devices (``edge_client.learning.predictor.Predictor``).
 
-The implementation lives in :mod:`edge_client.predictor` (torch imported lazily there), because a device exports
-its own model for ``edge-client benchmark`` and ``edge_client`` never imports ``server``. This module is the
+The implementation lives in :mod:`edge_client.learning.predictor` (torch imported lazily there), because a device
+exports its own model for ``edge-client benchmark`` and ``edge_client`` never imports ``server``. This module is the
 server's entry point, used after each round::
 
     export_onnx(spec, weights, out / "model.onnx", sample_shape=sample_shape_for(spec), round=t)
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.predictor import OPSET, read_sidecar, sample_shape_for, sidecar_path
-from edge_client.predictor import export_onnx as _export_onnx
+from edge_client.learning.predictor import OPSET, read_sidecar, sample_shape_for, sidecar_path
+from edge_client.learning.predictor import export_onnx as _export_onnx
 
 __all__ = ["OPSET", "BackgroundExporter", "export_onnx", "read_sidecar", "sample_shape_for", "sidecar_path"]
 

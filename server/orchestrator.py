@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from edge_client.data import ArrayDataset
-from edge_client.messages import Evaluate
-from edge_client.models import build_model, get_flat
-from edge_client.tasks import build_task
-from edge_client.topics import Topics
-from edge_client.transport import Link, LinkConfig
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.models import build_model, get_flat
+from edge_client.learning.tasks import build_task
+from edge_client.wire.messages import Evaluate
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link, LinkConfig
 from server.admission import Admission, RoundState
 from server.assignments import Assignments
 from server.checkpoint import Checkpoint, pack_state, unpack_state

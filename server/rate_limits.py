@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from edge_client.protocol import ProtocolError
+from edge_client.wire.protocol import ProtocolError
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class RateLimited(ProtocolError):
     """A message dropped, or a send refused, because its device is over its limit."""
 
     reason = "rate_limited"
-    flood = True  # logged sparsely (edge_client.transport.Inbox.reject)
+    flood = True  # logged sparsely (edge_client.wire.transport.Inbox.reject)
 
 
 class RateLimits:

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edge_client.messages import ModelFile, Update
-from edge_client.protocol import MessageTooLarge, encode
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.wire.messages import ModelFile, Update
+from edge_client.wire.protocol import MessageTooLarge, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.admission import RoundState
 from server.checkpoint import Checkpoint
 from server.compute_reports import ComputeReports

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_client.messages import Hello, Presence, Refusal, Stop
-from edge_client.models import build_model, fingerprint, layout_difference, parameter_layout
-from edge_client.protocol import InvalidField, encode
-from edge_client.topics import Topics
-from edge_client.transport import Link, LinkConfig, MqttLink
+from edge_client.learning.models import build_model, fingerprint, layout_difference, parameter_layout
+from edge_client.wire.messages import Hello, Presence, Refusal, Stop
+from edge_client.wire.protocol import InvalidField, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link, LinkConfig, MqttLink
 from server.admission import RoundState, WrongSampleCount
 from server.live_state import LiveState
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from edge_client.contract import Contract
+from edge_client.algorithms.contract import Contract
 from server.config import TrainSection
 from server.deadlines import MIN_S_PER_STEP, DeviceTimes
 

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from edge_client.tasks import Task
+from edge_client.learning.tasks import Task
 from server.config import ConfigError, RunConfig
 
 log = logging.getLogger("edgefl.target")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.contract import Contract
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient
 from edge_client.algorithms.fedacg import FedACGClient
@@ -17,7 +18,6 @@ from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
 from edge_client.algorithms.stem import StemClient
 from edge_client.algorithms.taco import TacoClient
-from edge_client.contract import Contract
 
 CLIENT_ALGORITHMS: dict[str, type[ClientAlgorithm]] = {
     cls.contract.name: cls

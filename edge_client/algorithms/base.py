@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from edge_client.contract import Contract, ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import RoundFacts
-from edge_client.plan import Plan
+from edge_client.algorithms.contract import Contract, ContractError
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.wire.messages import RoundFacts
+from edge_client.wire.plan import Plan
 
 
 @dataclass

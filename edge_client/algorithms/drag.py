@@ -8,8 +8,8 @@ participation uses ``alpha = 0.6`` (EMNIST) / ``0.2`` (CIFAR-10)).
 
 from __future__ import annotations
 
+from edge_client.algorithms.contract import Contract, Setting
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.contract import Contract, Setting
 
 #: eq. 10 as printed (arccos(x) ~ pi/2 (1 - x)); the paper's alternative arccos(x) ~ pi/2 - x; the exact angle.
 ANGLE_APPROX = Setting(

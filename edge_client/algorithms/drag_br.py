@@ -8,9 +8,9 @@ neutralising direction-reversal attacks needs ``c >= 1/4``).
 
 from __future__ import annotations
 
+from edge_client.algorithms.contract import Contract, Setting
 from edge_client.algorithms.drag import ANGLE_APPROX, DRAG_C
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.contract import Contract, Setting
 
 #: N_root of the paper (2.8 (d)), when the training set is large enough to spare it (see ``ROOT_FRACTION``).
 PAPER_ROOT_SIZE = 3000

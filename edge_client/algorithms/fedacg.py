@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from edge_client.algorithms.base import LocalContext
+from edge_client.algorithms.contract import Array, Contract, Setting, weighting
 from edge_client.algorithms.fedprox import FedProxClient
-from edge_client.contract import Array, Contract, Setting, weighting
 
 CONTRACT = Contract(
     "fedacg",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.contract import Contract, weighting
+from edge_client.algorithms.contract import Contract, weighting
 
 CONTRACT = Contract(
     "fedavg",

@@ -7,8 +7,8 @@ With plain SGD, ``G_i = (1/tau_i) sum_lambda g_lambda = delta_i / (eta tau_i)`` 
 
 from __future__ import annotations
 
+from edge_client.algorithms.contract import Contract, Setting
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.contract import Contract, Setting
 
 CONTRACT = Contract(
     "fednova",

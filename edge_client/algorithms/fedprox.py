@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Contract, Setting, weighting
+from edge_client.algorithms.contract import Contract, Setting, weighting
 
 ZETA = Setting("zeta", float, 0.1, "prox coefficient: clients minimise f_i(w) + zeta/2 ||w - w_t||^2", low=0.0,
                device=True)  # fmt: skip

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Contract, Setting, Value, weighting
+from edge_client.algorithms.contract import Contract, Setting, Value, weighting
 
 log = logging.getLogger("edgefl.client")
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Array, Contract, Setting, Value
+from edge_client.algorithms.contract import Array, Contract, Setting, Value
 
 EPS = 1e-12
 #: Default of ``fedveca.full_grad_batches``: 4 mini-batches measured as accurate as the full pass on the fleet and the

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from edge_client.algorithms.contract import Contract, Setting
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.contract import Contract, Setting
 
 CONTRACT = Contract(
     "foolsgold",

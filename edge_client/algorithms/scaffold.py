@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Array, Contract, Setting, Value, weighting
+from edge_client.algorithms.contract import Array, Contract, Setting, Value, weighting
 
 CONTRACT = Contract(
     "scaffold",

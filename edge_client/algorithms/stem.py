@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Array, Contract, Setting, weighting
-from edge_client.flat import FlatModel
+from edge_client.algorithms.contract import Array, Contract, Setting, weighting
+from edge_client.learning.flat import FlatModel
 
 CONTRACT = Contract(
     "stem",

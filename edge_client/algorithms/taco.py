@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm, LocalContext
-from edge_client.contract import Array, Contract, Setting, Value
+from edge_client.algorithms.contract import Array, Contract, Setting, Value
 
 log = logging.getLogger("edgefl.client")
 

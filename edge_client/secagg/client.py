@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.messages import (
+from edge_client.secagg import parts
+from edge_client.secagg.crypto import ShareRejected
+from edge_client.secagg.device import DeviceRound, Keys, ProtocolBreach
+from edge_client.secagg.parts import Summed
+from edge_client.secagg.ring import Ring
+from edge_client.wire.messages import (
     MaskedInput,
     Message,
     RoundFacts,
@@ -28,11 +33,6 @@ from edge_client.messages import (
     SecAggShares,
     SecAggUnmask,
 )
-from edge_client.secagg import parts
-from edge_client.secagg.crypto import ShareRejected
-from edge_client.secagg.device import DeviceRound, Keys, ProtocolBreach
-from edge_client.secagg.parts import Summed
-from edge_client.secagg.ring import Ring
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""One device's part in one secure round, stage by stage (the messages around it are ``edge_client.messages``').
+"""One device's part in one secure round, stage by stage (the messages around it are ``edge_client.wire.messages``').
 
 1. ``keys``: two fresh X25519 key pairs, one to encrypt shares with, one to agree masks with; their public halves go
    to the server.

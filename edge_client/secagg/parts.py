@@ -6,7 +6,7 @@ Both halves read the weights from the same assignment terms: a ``weighted`` or `
 the device's weight (its share of the round's samples, or an equal share), a ``plain`` one by ``1 / devices``; every
 array's weights over a round sum to at most 1. The arrays are clipped jointly, as one vector, to the clip norm, so
 each array's weighted sum stays within the ring (``edge_client.secagg.ring``) and one device moves each sum by at
-most the clip norm, as differential privacy's joint clipping does (``edge_client.dp``).
+most the clip norm, as differential privacy's joint clipping does (``edge_client.loop.dp``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from edge_client.schema import Check, is_int
 from edge_client.secagg.shamir import SHARE_BYTES
+from edge_client.wire.schema import Check, is_int
 
 KEY_BYTES = 32  # an X25519 public key, a seed, an AES-256 / ChaCha20 key
 NONCE_BYTES = 12  # AES-GCM's

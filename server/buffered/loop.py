@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.messages import Failure, Hello, Message, Resync, Update
-from edge_client.protocol import MAX_HEADER_BYTES, InvalidField, OutOfRound, ProtocolError
+from edge_client.wire.messages import Failure, Hello, Message, Resync, Update
+from edge_client.wire.protocol import MAX_HEADER_BYTES, InvalidField, OutOfRound, ProtocolError
 from server.admission import RoundState
 from server.buffered.clock import EventClock
 from server.buffered.staleness import server_step, staleness_of, staleness_weight, weighted

@@ -21,8 +21,8 @@ import math
 
 import numpy as np
 
-from edge_client.messages import Update
-from edge_client.protocol import OutOfRound
+from edge_client.wire.messages import Update
+from edge_client.wire.protocol import OutOfRound
 
 MODES = ("synchronous", "buffered")
 STALENESS_WEIGHTS = ("sqrt", "polynomial", "constant")

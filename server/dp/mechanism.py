@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.contract import vector_norm
-from edge_client.dp import CLIP_MARGIN, noise_rng
-from edge_client.messages import Update
-from edge_client.plan import Plan
+from edge_client.algorithms.contract import vector_norm
+from edge_client.loop.dp import CLIP_MARGIN, noise_rng
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.config import RunConfig
 from server.dp.budget import Budget, budget_of
 from server.strategies import Strategy

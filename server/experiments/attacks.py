@@ -19,12 +19,12 @@ import zlib
 import numpy as np
 
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import RoundFacts
-from edge_client.plan import Plan
-from edge_client.runtime import TrainFn
-from edge_client.trainer import TrainResult, train_local
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.loop.runtime import TrainFn
+from edge_client.loop.trainer import TrainResult, train_local
+from edge_client.wire.messages import RoundFacts
+from edge_client.wire.plan import Plan
 
 BEHAVIOURS = "honest, freeloader or scale:SIGMA (e.g. scale:1.7320508 for variance 3)"
 

@@ -23,18 +23,18 @@ from typing import Any
 
 import numpy as np
 
-from edge_client import device
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import RoundFacts
-from edge_client.plan import Plan
-from edge_client.runtime import TrainFn
-from edge_client.trainer import TrainResult
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.loop import device
+from edge_client.loop.runtime import TrainFn
+from edge_client.loop.trainer import TrainResult
+from edge_client.wire.messages import RoundFacts
+from edge_client.wire.plan import Plan
 from server.config import RunConfig
 from server.device_profiles import DeviceProfile, parse_fleet, profiles
 
-#: What a throttled board's ``vcgencmd get_throttled`` says (edge_client.device.THROTTLE_BITS): frequency capped,
+#: What a throttled board's ``vcgencmd get_throttled`` says (edge_client.loop.device.THROTTLE_BITS): frequency capped,
 #: throttled and at the soft temperature limit now (bits 1-3), and each "has occurred" since boot (bits 17-19).
 EMULATED_THROTTLED = 0xE000E
 

@@ -25,13 +25,13 @@ from typing import Any
 
 from paho.mqtt.client import topic_matches_sub
 
-from edge_client.data import load_local_data, split_holdout
-from edge_client.factories import AllowedCode, factory_modules
-from edge_client.messages import Message
-from edge_client.runtime import EdgeClient
-from edge_client.topics import Topics
-from edge_client.trainer import prepare_process
-from edge_client.transport import Inbox, LinkConfig
+from edge_client.learning.data import load_local_data, split_holdout
+from edge_client.learning.factories import AllowedCode, factory_modules
+from edge_client.loop.runtime import EdgeClient
+from edge_client.loop.trainer import prepare_process
+from edge_client.wire.messages import Message
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Inbox, LinkConfig
 from server.assembly import make_orchestrator
 from server.config import RunConfig
 from server.datasets import DatasetBundle

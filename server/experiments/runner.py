@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from server.assembly import split_clients
 from server.datasets import DatasetBundle, load_dataset
 from server.experiments.inprocess import run_inprocess

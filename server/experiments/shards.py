@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.data import ArrayDataset
+from edge_client.learning.data import ArrayDataset
 from server.datasets import DatasetBundle
 from server.experiments.partitions import partition
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.device import EMULATED_ENV
-from edge_client.factories import factory_modules
-from edge_client.transport import LinkConfig
+from edge_client.learning.factories import factory_modules
+from edge_client.loop.device import EMULATED_ENV
+from edge_client.wire.transport import LinkConfig
 from server.assembly import make_orchestrator
 from server.checkpoint import resumes
 from server.config import RunConfig

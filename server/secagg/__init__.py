@@ -4,8 +4,8 @@ imported only when a run turns secure aggregation on."""
 
 from __future__ import annotations
 
-from edge_client.messages import MaskedInput, SecAggKeys, SecAggReveal, SecAggShares
-from edge_client.protocol import InvalidField
+from edge_client.wire.messages import MaskedInput, SecAggKeys, SecAggReveal, SecAggShares
+from edge_client.wire.protocol import InvalidField
 
 #: What a device sends in a secure round's stages (``SecureRounds.take`` checks it).
 FROM_DEVICES = (SecAggKeys, SecAggShares, MaskedInput, SecAggReveal)

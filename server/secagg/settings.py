@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from edge_client.algorithms import CONTRACTS, contract_of
-from edge_client.contract import secure_refusal
+from edge_client.algorithms.contract import secure_refusal
 from edge_client.secagg.wire import MAX_NEIGHBOURS, RING_BITS
 
 

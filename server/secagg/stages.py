@@ -34,9 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.contract import Contract
-from edge_client.dp import noise_std
-from edge_client.messages import (
+from edge_client.algorithms.contract import Contract
+from edge_client.loop.dp import noise_std
+from edge_client.secagg import parts
+from edge_client.secagg.device import Keys, context_of
+from edge_client.secagg.graph import neighbours
+from edge_client.secagg.ring import Ring
+from edge_client.wire.messages import (
     MaskedInput,
     SecAggKeys,
     SecAggRelay,
@@ -46,14 +50,10 @@ from edge_client.messages import (
     SecAggUnmask,
     Update,
 )
-from edge_client.plan import Plan
-from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound, ProtocolError, encode
-from edge_client.secagg import parts
-from edge_client.secagg.device import Keys, context_of
-from edge_client.secagg.graph import neighbours
-from edge_client.secagg.ring import Ring
-from edge_client.topics import Topics
-from edge_client.transport import Link
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import DuplicateMessage, InvalidField, OutOfRound, ProtocolError, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link
 from server.admission import RoundState
 from server.config import PrivacySection
 from server.secagg import StageRefused

@@ -1,9 +1,9 @@
 """The server half of an aggregation algorithm.
 
 The round loop lives once in ``server.orchestrator``; a strategy decides who takes part, the plan each client trains
-(``edge_client.plan.Plan``: per-client values such as tau or alpha need no special case), how updates become the next
-model, and what else is worth evaluating or recording. Updates reach it only after ``server.admission`` checked them
-against the algorithm's contract, so a strategy never sees an undeclared, mis-shaped, non-finite or out-of-bound
+(``edge_client.wire.plan.Plan``: per-client values such as tau or alpha need no special case), how updates become the
+next model, and what else is worth evaluating or recording. Updates reach it only after ``server.admission`` checked
+them against the algorithm's contract, so a strategy never sees an undeclared, mis-shaped, non-finite or out-of-bound
 field. It works on plain float32 vectors, so every formula can be exercised in-process without a broker. Sign
 convention (ALGORITHMS.md C1): ``update.delta = w_sent - w_end``, descent-positive.
 
@@ -23,11 +23,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from edge_client.contract import Contract, vector_norm
-from edge_client.data import ArrayDataset
-from edge_client.messages import RoundFacts, Update
-from edge_client.plan import Plan
-from edge_client.tasks import TASKS, Task
+from edge_client.algorithms.contract import Contract, vector_norm
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.tasks import TASKS, Task
+from edge_client.wire.messages import RoundFacts, Update
+from edge_client.wire.plan import Plan
 from server.strategies.running import RunningMean
 from server.strategies.store import DEFAULT_RAM_BYTES, UpdateStore
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.linalg.blas import saxpy
 
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 
 EPS = 1e-12
 WEIGHTINGS = ("uniform", "samples")

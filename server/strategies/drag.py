@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.drag import ANGLE_APPROX, CONTRACT
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import EPS, axpy, cosine_of
 from server.strategies.store import held_bytes

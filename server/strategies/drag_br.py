@@ -29,13 +29,13 @@ import numpy as np
 
 from edge_client.algorithms.drag_br import CONTRACT, PAPER_ROOT_SIZE
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.data import BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Update
-from edge_client.models import build_model
-from edge_client.plan import Plan
-from edge_client.tasks import task_loss
-from edge_client.trainer import train_local
+from edge_client.learning.data import BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.learning.models import build_model
+from edge_client.learning.tasks import task_loss
+from edge_client.loop.trainer import train_local
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, axpy
 from server.strategies.drag import DragRound, degree_of_divergence, increment_cosine

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.fedacg import CONTRACT
-from edge_client.messages import Update
-from edge_client.plan import Plan
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import fold_weight
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from edge_client.algorithms.fedavg import CONTRACT
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 from server.strategies.base import Round, Strategy
 from server.strategies.common import fold_weight
 

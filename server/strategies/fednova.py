@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.fednova import CONTRACT
-from edge_client.messages import Update
-from edge_client.plan import Plan
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import aggregation_weights, fold_weight
 

@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from edge_client.algorithms.fedumf import CONTRACT
-from edge_client.plan import Plan
+from edge_client.wire.plan import Plan
 from server.strategies.base import TrainSettings
 from server.strategies.fedavg import FedAvg
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedveca import CONTRACT
-from edge_client.contract import ContractError
-from edge_client.messages import Update
-from edge_client.plan import Plan
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import EPS, aggregation_weights, fold_weight
 

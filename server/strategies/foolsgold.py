@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.foolsgold import CONTRACT
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 from server.strategies.base import Round, Strategy, TrainSettings
 from server.strategies.common import EPS, cosine_of
 from server.strategies.store import held_bytes

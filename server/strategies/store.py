@@ -22,8 +22,8 @@ from typing import IO
 
 import numpy as np
 
-from edge_client.contract import vector_norm
-from edge_client.messages import Update
+from edge_client.algorithms.contract import vector_norm
+from edge_client.wire.messages import Update
 from server.strategies.common import axpy
 from server.strategies.running import RunningMean
 

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from edge_client.algorithms.taco import ALPHA_I, CONTRACT
-from edge_client.messages import Update
-from edge_client.plan import Plan
+from edge_client.wire.messages import Update
+from edge_client.wire.plan import Plan
 from server.strategies.base import Round, ServerContext, Strategy, TrainSettings
 from server.strategies.common import EPS, cosine_of, normalise
 from server.strategies.store import UpdateStore, held_bytes

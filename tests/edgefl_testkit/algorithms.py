@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from edge_client.algorithms.base import ClientAlgorithm
-from edge_client.codecs import parse as parse_codec
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from edge_client.trainer import TrainResult, train_local
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.loop.trainer import TrainResult, train_local
+from edge_client.wire.codecs import parse as parse_codec
+from edge_client.wire.messages import Assignment, Update
 from server.admission import Admission, RoundState
 from server.config import TrainSection
 from server.strategies import Strategy

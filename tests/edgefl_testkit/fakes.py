@@ -18,8 +18,9 @@ import msgpack
 import numpy as np
 
 from edge_client.algorithms import contract_of
-from edge_client.contract import Contract
-from edge_client.messages import (
+from edge_client.algorithms.contract import Contract
+from edge_client.loop.models_cache import ModelCache
+from edge_client.wire.messages import (
     Assignment,
     GlobalModel,
     Hello,
@@ -30,10 +31,9 @@ from edge_client.messages import (
     Update,
     new_msg_id,
 )
-from edge_client.models_cache import ModelCache
-from edge_client.protocol import PROTOCOL_VERSION, encode
-from edge_client.topics import Topics
-from edge_client.transport import Link, LinkConfig, MqttLink
+from edge_client.wire.protocol import PROTOCOL_VERSION, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import Link, LinkConfig, MqttLink
 from server.distribution import split_round
 
 Respond = Callable[[Assignment], Iterable[bytes | bytearray]]

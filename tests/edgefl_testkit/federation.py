@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from server.assembly import make_orchestrator, split_clients
 from server.broker import Broker
 from server.config import RunConfig, from_dict

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.messages import Assignment, RoundFacts, Update
-from edge_client.plan import Plan
+from edge_client.wire.messages import Assignment, RoundFacts, Update
+from edge_client.wire.plan import Plan
 
 PLAN_FIELDS = {f.name for f in fields_of(Plan)}
 FACT_FIELDS = {f.name for f in fields_of(RoundFacts)}

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_client.models import build_model, get_flat
+from edge_client.learning.models import build_model, get_flat
 from server.config import RunConfig, from_dict
 
 SEED = 3

@@ -9,7 +9,7 @@ import numpy as np
 USER_MODULE = """
 import torch
 from torch import nn
-from edge_client.tasks import Task
+from edge_client.learning.tasks import Task
 
 
 def build(width: int = 4) -> nn.Module:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from paho.mqtt.client import Client
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.federation import end_federation, start_federation
 from edgefl_testkit.mqtt import DEVICES, MqttClientFactory, connect_client, require_mosquitto
 from server.broker import Broker, BrokerSettings

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from edge_client.algorithms import contract_of
-from edge_client.messages import Assignment
-from edge_client.plan import Plan
-from edge_client.protocol import encode
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.wire.messages import Assignment
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import encode
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from edgefl_testkit.federation import Hooks

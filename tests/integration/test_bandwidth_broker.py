@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from edge_client.messages import Assignment, GlobalModel, Update
-from edge_client.protocol import decode, read_header
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Assignment, GlobalModel, Update
+from edge_client.wire.protocol import decode, read_header
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.federation import run_to_end, start_federation
 from server.broker import Broker

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from paho.mqtt.client import Client
 
-from edge_client.fetch import fetch_model
-from edge_client.messages import Hello
-from edge_client.protocol import encode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.tools.fetch import fetch_model
+from edge_client.wire.messages import Hello
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.federation import run_to_end, start_federation
 from edgefl_testkit.mqtt import connect_client, throwaway_certificate

@@ -3,7 +3,7 @@
 A good device runs the whole command as a real process (exit 0, every item ok, and the server user really receives
 its probe message); the failures are each checked on their own item: a wrong password, an unreachable broker, a
 login whose ACL does not cover the client id, a probe that dies of SIGILL. The data file's item:
-tests/unit/edge_client/test_check.py.
+tests/unit/edge_client/tools/test_check.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client import check
-from edge_client.messages import Presence
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.tools import check
+from edge_client.wire.messages import Presence
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.mqtt import require_mosquitto, throwaway_certificate
 from server.broker import Broker, BrokerSettings, free_port
 

@@ -19,8 +19,8 @@ import psutil
 import pytest
 
 from edge_client.exits import ExitStatus
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from server.broker import Broker
 from server.cli import BROKER_DIED
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from edge_client.fetch import fetch_model
-from edge_client.messages import Hello, ModelFile
-from edge_client.protocol import MessageTooLarge, encode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.tools.fetch import fetch_model
+from edge_client.wire.messages import Hello, ModelFile
+from edge_client.wire.protocol import MessageTooLarge, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.basics import CHANCE, full_size, in_ci
 from edgefl_testkit.federation import run_to_end, start_federation
 from server.broker import free_port

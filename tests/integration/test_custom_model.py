@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from edge_client.exits import ExitStatus
-from edge_client.models import build_model, set_flat
-from edge_client.predictor import Predictor
+from edge_client.learning.models import build_model, set_flat
+from edge_client.learning.predictor import Predictor
 from server.broker import Broker
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_model"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from edge_client.transport import LinkConfig
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.basics import poll
 from edgefl_testkit.federation import Hooks, reported, restart_client, start_federation
 from server.assembly import make_orchestrator, split_clients

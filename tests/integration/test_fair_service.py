@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from paho.mqtt.client import Client
 
-from edge_client.messages import Assignment, ModelRequest, Resync
-from edge_client.protocol import encode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Assignment, ModelRequest, Resync
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from edgefl_testkit.federation import make_config
 from edgefl_testkit.mqtt import connect_client

@@ -2,7 +2,7 @@
 
 Real `edge-client` processes (and, for the server restart, a real `edge-server` process) against a real mosquitto.
 Every strategy's state through a checkpoint, in-process: tests/unit/server/test_checkpoint.py; the device loop's
-stale assignments: tests/unit/edge_client/test_runtime.py.
+stale assignments: tests/unit/edge_client/loop/test_runtime.py.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms.scaffold import ScaffoldClient
-from edge_client.messages import Assignment
-from edge_client.protocol import encode
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Assignment
+from edge_client.wire.protocol import encode
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.basics import poll
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from edgefl_testkit.federation import (

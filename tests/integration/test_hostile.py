@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.messages import Assignment, Chunk, Update, new_msg_id
-from edge_client.protocol import encode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.wire.messages import Assignment, Chunk, Update, new_msg_id
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.fakes import FakeDevice, hostile_frames, zero_update
 from server.broker import Broker
 from server.datasets import load_dataset

@@ -48,7 +48,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
-from edge_client.messages import (
+from edge_client.wire.messages import (
     Ack,
     Assignment,
     Chunk,
@@ -67,9 +67,9 @@ from edge_client.messages import (
     Update,
     new_msg_id,
 )
-from edge_client.plan import Plan
-from edge_client.protocol import encode
-from edge_client.transport import LinkConfig
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import encode
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from server.broker import Broker
 from server.config import from_dict

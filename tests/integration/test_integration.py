@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_client.predictor import Predictor
-from edge_client.topics import Topics
+from edge_client.learning.predictor import Predictor
+from edge_client.wire.topics import Topics
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.federation import Hooks
 from server.datasets import load_dataset

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from edge_client.device import THROTTLE_BITS
+from edge_client.loop.device import THROTTLE_BITS
 from edgefl_testkit.basics import in_ci, poll
 from edgefl_testkit.mqtt import require_mosquitto
 from server.broker import free_port

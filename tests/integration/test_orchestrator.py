@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.messages import Assignment, new_msg_id
-from edge_client.protocol import encode
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Assignment, new_msg_id
+from edge_client.wire.protocol import encode
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from edgefl_testkit.orchestrator import initial_weights, small_run_config
 from server.broker import Broker

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from paho.mqtt.client import Client
 
-from edge_client.messages import Presence
-from edge_client.protocol import decode
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Presence
+from edge_client.wire.protocol import decode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.federation import make_config
 from edgefl_testkit.mqtt import MqttClientFactory
 from server.assembly import make_orchestrator

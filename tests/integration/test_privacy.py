@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from edge_client.contract import vector_norm
+from edge_client.algorithms.contract import vector_norm
 from edgefl_testkit.federation import run_to_end
 
 pytestmark = pytest.mark.integration

@@ -17,9 +17,11 @@ from torch import nn
 
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import (
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.learning.models import build_model, get_flat, num_params
+from edge_client.loop.runtime import EdgeClient
+from edge_client.wire.messages import (
     Ack,
     Assignment,
     Failure,
@@ -33,11 +35,9 @@ from edge_client.messages import (
     Update,
     model_digest,
 )
-from edge_client.models import build_model, get_flat, num_params
-from edge_client.protocol import encode
-from edge_client.runtime import EdgeClient
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig, MqttLink
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig, MqttLink
 from edgefl_testkit.algorithms import train_assignment
 from edgefl_testkit.messages import round_assignment
 from server.broker import Broker
@@ -232,7 +232,7 @@ def test_stop_on_broadcast_ends_run_once(
 def test_assignment_with_mismatched_model_is_reported_and_skipped(
     broker: Broker, job: str, server: FakeServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="edge_client.runtime")
+    caplog.set_level(logging.ERROR, logger="edge_client.loop.runtime")
     runner = ClientThread(make_client(broker, job, make_dataset()), max_rounds=1)
     server.expect(Hello)
 

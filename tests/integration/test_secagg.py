@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_client.messages import GlobalModel, MaskedInput
-from edge_client.protocol import decode
 from edge_client.secagg.ring import Ring
-from edge_client.topics import Topics
+from edge_client.wire.messages import GlobalModel, MaskedInput
+from edge_client.wire.protocol import decode
+from edge_client.wire.topics import Topics
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.federation import end_federation
 

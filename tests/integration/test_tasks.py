@@ -1,6 +1,6 @@
 """A simulated fleet (client processes on a real mosquitto, and in-process) that imports the user's own model and task
 factories and evaluates on both sides (issue 13). Tasks, factories and evaluation reports as units:
-tests/unit/edge_client/test_tasks.py."""
+tests/unit/edge_client/learning/test_tasks.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.data import load_local_data, split_holdout
-from edge_client.factories import AllowedCode
+from edge_client.learning.data import load_local_data, split_holdout
+from edge_client.learning.factories import AllowedCode
 from edgefl_testkit.federation import make_config, run_simulated
 from edgefl_testkit.own import module_of
 from server.broker import Broker

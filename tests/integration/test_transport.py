@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_client import chunking
-from edge_client.messages import (
+from edge_client.wire import chunking
+from edge_client.wire.messages import (
     Assignment,
     Failure,
     GlobalModel,
@@ -31,10 +31,10 @@ from edge_client.messages import (
     Update,
     model_digest,
 )
-from edge_client.plan import Plan
-from edge_client.protocol import MessageTooLarge, encode
-from edge_client.topics import Topics
-from edge_client.transport import PUBLISH_OVERHEAD, LinkConfig, MqttLink
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import MessageTooLarge, encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import PUBLISH_OVERHEAD, LinkConfig, MqttLink
 from server.broker import Broker, Credentials
 
 TIMEOUT = 30.0

@@ -66,7 +66,7 @@ def test_no_unit_test_starts_a_broker_client_processes_or_a_command() -> None:
         ("def test_x():\n    subprocess.run([sys.executable, '-m', 'server.cli', 'simulate'])\n", True),
         ("def test_x():\n    run([sys.executable, '-m', 'benchmarks.privacy', '--quick'])\n", True),
         ("from server.cli import build_parser\n\ndef test_x():\n    build_parser()\n", False),
-        ("def test_x():\n    subprocess.run([sys.executable, '-c', 'import edge_client.predictor'])\n", False),
+        ("def test_x():\n    subprocess.run([sys.executable, '-c', 'import edge_client.learning.predictor'])\n", False),
         ("def test_x():\n    run_simulated('inprocess', config, bundle, None)\n", False),
         ('DOORS = {"server.cli": "server.experiments"}\n', False),
     ],

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from benchmarks import load
-from edge_client import chunking
-from edge_client.messages import Update
-from edge_client.protocol import encode
-from edge_client.topics import Topics
-from edge_client.transport import MEMORY_QUEUE_BYTES, LinkConfig
+from edge_client.wire import chunking
+from edge_client.wire.messages import Update
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import MEMORY_QUEUE_BYTES, LinkConfig
 from edgefl_testkit.basics import spill_files
 from edgefl_testkit.benchmarks import run_benchmark_quick
 from edgefl_testkit.messages import make_update

@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.drag import DragClient
 from edge_client.algorithms.drag_br import DragBRClient
 from edge_client.algorithms.fedavg import FedAvgClient
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Update
-from edge_client.models import build_model, get_flat, set_flat
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.learning.models import build_model, get_flat, set_flat
+from edge_client.wire.messages import Update
 from edgefl_testkit.algorithms import reference_sgd, toy_data, toy_model, train_assignment
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import ServerContext, TrainSettings

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedacg import FedACGClient
 from edge_client.algorithms.fedprox import FedProxClient
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.messages import Update
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.wire.messages import Update
 from edgefl_testkit.algorithms import flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings

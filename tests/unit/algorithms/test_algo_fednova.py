@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.fednova import FedNovaClient
-from edge_client.contract import ContractError
-from edge_client.data import BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Update
-from edge_client.models import set_flat
+from edge_client.learning.data import BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.learning.models import set_flat
+from edge_client.wire.messages import Update
 from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_model, train_assignment
 from edgefl_testkit.messages import assignment, make_update
 from server.admission import WrongSteps

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedumf import FedUmfClient
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, RoundFacts, Update
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.wire.messages import Assignment, RoundFacts, Update
 from edgefl_testkit.algorithms import set_up, toy_data, train_assignment
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.foolsgold import FoolsGoldClient
-from edge_client.contract import ContractError
-from edge_client.messages import Update
+from edge_client.wire.messages import Update
 from edgefl_testkit.algorithms import flat_of, set_up, toy_data, toy_model, train_toy
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client import codecs as C
 from edge_client.algorithms.base import LocalContext
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.scaffold import ScaffoldClient
-from edge_client.compression import Uplink
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, RoundFacts, Update
-from edge_client.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.loop.compression import Uplink
+from edge_client.wire import codecs as C
+from edge_client.wire.messages import Assignment, RoundFacts, Update
+from edge_client.wire.protocol import MissingField, NonFiniteValues, ProtocolError, ShapeMismatch, decode, encode
 from edgefl_testkit.algorithms import admit, flat_of, reference_sgd, set_up, toy_data, toy_model, train_toy
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.stem import StemClient
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, Update
-from edge_client.protocol import MissingField
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.wire.messages import Assignment, Update
+from edge_client.wire.protocol import MissingField
 from edgefl_testkit.algorithms import admit, set_up, toy_data, toy_logits, train_assignment
 from edgefl_testkit.messages import assignment, make_update
 from server.strategies.base import TrainSettings

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from edge_client.algorithms.base import ClientAlgorithm
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedavg import FedAvgClient
 from edge_client.algorithms.taco import TacoClient
-from edge_client.contract import ContractError
-from edge_client.data import ArrayDataset, BatchSampler
-from edge_client.flat import FlatModel
-from edge_client.messages import Assignment, RoundFacts, Update
-from edge_client.plan import Plan
-from edge_client.runtime import TrainFn
-from edge_client.trainer import TrainResult
+from edge_client.learning.data import ArrayDataset, BatchSampler
+from edge_client.learning.flat import FlatModel
+from edge_client.loop.runtime import TrainFn
+from edge_client.loop.trainer import TrainResult
+from edge_client.wire.messages import Assignment, RoundFacts, Update
+from edge_client.wire.plan import Plan
 from edgefl_testkit import algorithms as kit
 from edgefl_testkit import messages
 from edgefl_testkit.algorithms import train_assignment

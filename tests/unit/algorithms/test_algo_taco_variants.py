@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edge_client.algorithms.contract import ContractError
 from edge_client.algorithms.fedprox import FedProxClient
 from edge_client.algorithms.fedprox_taco import FedProxTacoClient
 from edge_client.algorithms.scaffold import ScaffoldClient
 from edge_client.algorithms.scaffold_taco import ScaffoldTacoClient
-from edge_client.contract import ContractError
-from edge_client.messages import Assignment, GlobalModel, RoundFacts, Update
-from edge_client.models_cache import ModelCache
-from edge_client.plan import Plan
-from edge_client.protocol import decode, encode
+from edge_client.loop.models_cache import ModelCache
+from edge_client.wire.messages import Assignment, GlobalModel, RoundFacts, Update
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import decode, encode
 from edgefl_testkit.algorithms import set_up, toy_data, train_toy
 from edgefl_testkit.fakes import as_sent
 from edgefl_testkit.messages import assignment, make_update

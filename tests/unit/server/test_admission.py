@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.data import load_local_data
-from edge_client.messages import Assignment, Update, new_msg_id
-from edge_client.protocol import encode
-from edge_client.runtime import EdgeClient
-from edge_client.topics import Topics
+from edge_client.learning.data import load_local_data
+from edge_client.loop.runtime import EdgeClient
+from edge_client.wire.messages import Assignment, Update, new_msg_id
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
 from edgefl_testkit.fakes import FakeDevice, device_topics, hostile_frames, zero_update
 from server.assembly import make_orchestrator, split_clients
 from server.config import from_dict

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_client import codecs as C
 from edge_client.algorithms import CONTRACTS
-from edge_client.contract import codecs_markdown
-from edge_client.messages import GlobalModel, Update, model_digest
-from edge_client.protocol import ProtocolError, decode, encode
+from edge_client.algorithms.contract import codecs_markdown
+from edge_client.wire import codecs as C
+from edge_client.wire.messages import GlobalModel, Update, model_digest
+from edge_client.wire.protocol import ProtocolError, decode, encode
 from edgefl_testkit.algorithms import admit
 from edgefl_testkit.basics import CHANCE
 from edgefl_testkit.federation import make_config

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_client.data import load_local_data, split_holdout
-from edge_client.messages import Assignment, Evaluate, Evaluation, Hello, Message, Update
-from edge_client.protocol import encode
-from edge_client.runtime import EdgeClient
-from edge_client.tasks import TASKS
-from edge_client.topics import Topics
+from edge_client.learning.data import load_local_data, split_holdout
+from edge_client.learning.tasks import TASKS
+from edge_client.loop.runtime import EdgeClient
+from edge_client.wire.messages import Assignment, Evaluate, Evaluation, Hello, Message, Update
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
 from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
 from server.admission import Admission, RoundState
 from server.assembly import make_orchestrator, split_clients

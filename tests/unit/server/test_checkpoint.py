@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.data import ArrayDataset
-from edge_client.models import build_model, get_flat
-from edge_client.plan import Plan
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.models import build_model, get_flat
+from edge_client.wire.plan import Plan
 from edgefl_testkit.messages import make_update
 from server.checkpoint import pack_state, resumes, unpack_state
 from server.experiments.simulate import client_state_dirs

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.data import load_local_data
-from edge_client.models import build_model
+from edge_client.learning.data import load_local_data
+from edge_client.learning.models import build_model
 from edgefl_testkit.basics import in_ci
 from server import datasets
 from server.datasets import STANDARDIZE, DatasetBundle, DatasetNotInstalled, load_dataset

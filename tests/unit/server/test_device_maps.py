@@ -15,8 +15,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from edge_client.protocol import read_header
-from edge_client.topics import Topics
+from edge_client.wire.protocol import read_header
+from edge_client.wire.topics import Topics
 from edgefl_testkit.federation import make_config
 from server.datasets import load_dataset
 from server.experiments.inprocess import LocalBus, run_inprocess

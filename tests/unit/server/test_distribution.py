@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
-from edge_client.messages import Assignment, ModelRequest, RoundFacts, model_digest
-from edge_client.plan import Plan
-from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
-from edge_client.topics import Topics
+from edge_client.wire.messages import Assignment, ModelRequest, RoundFacts, model_digest
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import DuplicateMessage, InvalidField, OutOfRound
+from edge_client.wire.topics import Topics
 from edgefl_testkit.federation import make_config
 from server.datasets import load_dataset
 from server.distribution import Distribution, split_round

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.contract import vector_norm
-from edge_client.data import ArrayDataset
-from edge_client.messages import Update
-from edge_client.models import build_model, num_params
-from edge_client.transport import LinkConfig
+from edge_client.algorithms.contract import vector_norm
+from edge_client.learning.data import ArrayDataset
+from edge_client.learning.models import build_model, num_params
+from edge_client.wire.messages import Update
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.algorithms import admit
 from edgefl_testkit.basics import spill_files
 from edgefl_testkit.federation import Hooks, make_config

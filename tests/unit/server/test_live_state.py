@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.messages import Hello, Presence, Update
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Hello, Presence, Update
+from edge_client.wire.transport import LinkConfig
 from server.config import from_dict
 from server.datasets import load_dataset
 from server.evaluation import Evaluator

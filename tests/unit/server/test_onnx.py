@@ -1,4 +1,5 @@
-"""ONNX export (server.onnx_export) and onnxruntime inference (edge_client.predictor) for the shipped models."""
+"""ONNX export (server.onnx_export) and onnxruntime inference (edge_client.learning.predictor) for the shipped
+models."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.models import MODELS, build_model, get_flat
-from edge_client.predictor import Predictor, sidecar_path, softmax
-from edge_client.tasks import predicted_labels
+from edge_client.learning.models import MODELS, build_model, get_flat
+from edge_client.learning.predictor import Predictor, sidecar_path, softmax
+from edge_client.learning.tasks import predicted_labels
 from server.onnx_export import export_onnx, sample_shape_for
 
 REPO = Path(__file__).resolve().parents[3]
@@ -207,16 +208,16 @@ def test_prediction_never_imports_torch(tmp_path: Path) -> None:
         f"""
         import sys
         import numpy as np
-        import edge_client.predictor
-        import edge_client.data
-        p = edge_client.predictor.Predictor({str(path)!r})
+        import edge_client.learning.predictor
+        import edge_client.learning.data
+        p = edge_client.learning.predictor.Predictor({str(path)!r})
         ids = p.predict(np.zeros((3, 1, 28, 28), np.float32))
         proba = p.predict_proba(np.zeros((1, 1, 28, 28), np.float32))
         p.latency(np.zeros((1, 1, 28, 28), np.float32), repeats=2)
         assert ids.shape == (3,) and proba.shape == (1, 10)
         loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
         assert not loaded, loaded
-        assert "edge_client.models" not in sys.modules
+        assert "edge_client.learning.models" not in sys.modules
         print("ok")
         """
     )

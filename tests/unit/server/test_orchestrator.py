@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edge_client.algorithms.contract import Array, Value
 from edge_client.algorithms.fedavg import CONTRACT as FEDAVG
-from edge_client.contract import Array, Value
-from edge_client.messages import Assignment, Hello, Presence, RoundFacts, Stop, Update
-from edge_client.plan import Plan
-from edge_client.topics import Topics
-from edge_client.transport import LinkConfig
+from edge_client.wire.messages import Assignment, Hello, Presence, RoundFacts, Stop, Update
+from edge_client.wire.plan import Plan
+from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.orchestrator import initial_weights, small_run_config
 from server.admission import Admission, RoundState
 from server.evaluation import Evaluator

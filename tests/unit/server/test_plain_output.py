@@ -16,8 +16,8 @@ import pytest
 from rich.console import Console
 from rich.logging import RichHandler
 
-from edge_client.messages import Ack
-from edge_client.session import Session
+from edge_client.loop.session import Session
+from edge_client.wire.messages import Ack
 from server.cli import _setup_logging
 from server.dashboard.server import Address, DashboardServer
 from server.dashboard.view import RunView
@@ -57,8 +57,10 @@ def test_the_console_shows_the_level_once(tmp_path: Path) -> None:
     try:
         _setup_logging(tmp_path, verbose=False)
         console = next(h for h in root.handlers if isinstance(h, RichHandler))
-        record = logging.LogRecord("edge_client.transport", logging.WARNING, __file__, 1, "broker gone", None, None)
-        assert console.format(record) == "edge_client.transport: broker gone"  # RichHandler prints WARNING itself
+        record = logging.LogRecord(
+            "edge_client.wire.transport", logging.WARNING, __file__, 1, "broker gone", None, None
+        )
+        assert console.format(record) == "edge_client.wire.transport: broker gone"  # RichHandler prints WARNING itself
     finally:
         for handler in root.handlers:
             if handler not in saved[0]:
@@ -69,7 +71,7 @@ def test_the_console_shows_the_level_once(tmp_path: Path) -> None:
 def test_a_device_logs_a_registration_once_and_says_why_it_registered_again(caplog: pytest.LogCaptureFixture) -> None:
     s = Session()
     s.connected(session_present=False, hello="h1")
-    with caplog.at_level(logging.DEBUG, logger="edge_client.session"):
+    with caplog.at_level(logging.DEBUG, logger="edge_client.loop.session"):
         for hello in ("h2", "h3"):  # the hellos answering the server's retained and its direct announcement
             s.sending(hello, "hello")
         for hello in ("h1", "h2", "h3"):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edge_client.messages import Ack, Hello
-from edge_client.protocol import encode
-from edge_client.topics import Topics
+from edge_client.wire.messages import Ack, Hello
+from edge_client.wire.protocol import encode
+from edge_client.wire.topics import Topics
 from edgefl_testkit.federation import make_config
 from server.assembly import make_orchestrator
 from server.datasets import load_dataset

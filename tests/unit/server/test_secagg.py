@@ -152,9 +152,9 @@ def test_the_neighbour_graph_is_symmetric_and_of_the_degree() -> None:
 
 # ------------------------------------------------------------------------------------------------- the messages
 def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
-    from edge_client import messages as M
-    from edge_client.protocol import InvalidField, decode, encode
     from edge_client.secagg.wire import SEALED_BYTES
+    from edge_client.wire import messages as M
+    from edge_client.wire.protocol import InvalidField, decode, encode
 
     a, b = DeviceRound("a", "run", 2), DeviceRound("b", "run", 2)
     roster = M.SecAggRoster(2, 2, [["b", b.keys().enc, b.keys().mask]], "run")
@@ -181,7 +181,7 @@ def test_the_stages_messages_round_trip_and_their_bounds_are_checked() -> None:
 # ------------------------------------------------------------------------------------------- config and contracts
 def test_secure_aggregation_is_refused_at_load_for_an_algorithm_that_needs_per_device_values() -> None:
     from edge_client.algorithms import CONTRACTS
-    from edge_client.contract import Array, Contract, secure_refusal
+    from edge_client.algorithms.contract import Array, Contract, secure_refusal
     from server.config import ConfigError, from_dict
 
     on = {"secure_aggregation": True, "clip_norm": 5.0}
@@ -239,7 +239,7 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
     import server.experiments.inprocess as inprocess
     import server.secagg.stages as stages
     from edge_client.algorithms import CONTRACTS
-    from edge_client.trainer import train_local
+    from edge_client.loop.trainer import train_local
     from edgefl_testkit.federation import make_config
     from server.datasets import load_dataset
     from server.dp.mechanism import noise_share_std
@@ -329,11 +329,11 @@ def test_in_process_the_unmasked_sum_is_the_sum_of_the_clipped_quantised_updates
 
 
 def test_stage_messages_that_do_not_fit_their_stage_are_refused_by_reason() -> None:
-    from edge_client import messages as M
     from edge_client.algorithms.scaffold import CONTRACT as SCAFFOLD
-    from edge_client.plan import Plan
-    from edge_client.protocol import DuplicateMessage, InvalidField, OutOfRound
-    from edge_client.topics import Topics
+    from edge_client.wire import messages as M
+    from edge_client.wire.plan import Plan
+    from edge_client.wire.protocol import DuplicateMessage, InvalidField, OutOfRound
+    from edge_client.wire.topics import Topics
     from server.config import PrivacySection
     from server.secagg import StageRefused
     from server.secagg.stages import SecureRounds
@@ -386,10 +386,10 @@ def test_a_plain_update_in_a_secure_run_is_refused_and_the_round_goes_on(tmp_pat
     """A device answering a secure assignment with a plain update (bypassing the masking) beside two honest runtimes
     on the in-process bus: the update is refused (``secagg_message``), never folded, and each round aggregates the
     two honest devices securely."""
-    from edge_client.data import load_local_data
-    from edge_client.protocol import encode
-    from edge_client.runtime import EdgeClient
-    from edge_client.topics import Topics
+    from edge_client.learning.data import load_local_data
+    from edge_client.loop.runtime import EdgeClient
+    from edge_client.wire.protocol import encode
+    from edge_client.wire.topics import Topics
     from edgefl_testkit.fakes import FakeDevice, device_topics, zero_update
     from server.assembly import make_orchestrator
     from server.config import from_dict

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_client.data import load_local_data
-from edge_client.predictor import sample_shape_for
+from edge_client.learning.data import load_local_data
+from edge_client.learning.predictor import sample_shape_for
 from edgefl_testkit.federation import make_config
 from edgefl_testkit.own import write_csv
 from server.assembly import model_spec

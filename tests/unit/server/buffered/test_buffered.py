@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.contract import buffered_markdown
-from edge_client.messages import Update
+from edge_client.algorithms.contract import buffered_markdown
+from edge_client.wire.messages import Update
 from server.buffered.clock import EventClock
 from server.buffered.staleness import Stale, server_step, staleness_of, staleness_weight, weighted
 from server.config import ConfigError, from_dict

@@ -14,9 +14,9 @@ import pytest
 from dp_accounting import pld, rdp
 
 from edge_client.algorithms import CONTRACTS, contract_of
-from edge_client.contract import ContractError, vector_norm
-from edge_client.dp import privatize
-from edge_client.plan import Plan
+from edge_client.algorithms.contract import ContractError, vector_norm
+from edge_client.loop.dp import privatize
+from edge_client.wire.plan import Plan
 from edgefl_testkit.federation import make_config, run_simulated
 from edgefl_testkit.messages import make_update
 from server.config import ConfigError

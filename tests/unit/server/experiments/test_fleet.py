@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from edge_client.algorithms import CONTRACTS
-from edge_client.messages import Assignment, ComputeReport, RoundFacts
-from edge_client.plan import Plan
-from edge_client.protocol import DuplicateMessage, OutOfRound, encode
-from edge_client.topics import Topics
-from edge_client.trainer import TrainResult
+from edge_client.loop.trainer import TrainResult
+from edge_client.wire.messages import Assignment, ComputeReport, RoundFacts
+from edge_client.wire.plan import Plan
+from edge_client.wire.protocol import DuplicateMessage, OutOfRound, encode
+from edge_client.wire.topics import Topics
 from edgefl_testkit.fakes import FakeDevice, zero_update
 from edgefl_testkit.fleet import assert_throttled, throttle_run
 from edgefl_testkit.messages import assignment

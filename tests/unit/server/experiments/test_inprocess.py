@@ -3,8 +3,8 @@ as the MQTT link refuses it. The in-process mode against the broker mode: tests/
 
 from __future__ import annotations
 
-from edge_client.messages import Presence
-from edge_client.protocol import encode
+from edge_client.wire.messages import Presence
+from edge_client.wire.protocol import encode
 from server.experiments.inprocess import LocalBus, LocalLink
 
 
