@@ -3,9 +3,11 @@
 - Every module of ``edge_client`` and ``server`` imports.
 - No import circle among the modules' top-level imports (``if TYPE_CHECKING:`` blocks included: a circle of types is
   still a circle), and no import inside a function that would close one (a deferred import dodging a circle).
-- Each room imports only the rooms it may: ``edge_client`` never ``server``; the server's runtime never
-  ``server.experiments`` (``edge-server run`` serves real devices without it), except the commands of ``server/cli.py``
-  that run experiments, inside their own functions.
+- Each room imports only the rooms it may: ``edge_client`` never ``server``; inside ``edge_client`` the wire and
+  learning build on no other room, the algorithms on those two, the device loop on those three (and secagg), the
+  tools on anything; the server's runtime never ``server.experiments`` (``edge-server run`` serves real devices
+  without it), except the commands of ``server/cli.py`` that run experiments, inside their own functions.
+- ``edge_client``'s top level holds its rooms and the command alone, so a new module has to choose its room.
 - A third-party module imported inside a function is one of ``DEFERRED``, each saying why it is not at the top.
 """
 
@@ -23,12 +25,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("edge_client", "server")
 
+
+def device_room_never(*rooms: str) -> tuple[str, ...]:
+    """What a room of ``edge_client`` must never import: ``server``, and these rooms of its own package."""
+    return ("server", *(f"edge_client.{r}" for r in rooms))
+
+
 #: room -> the rooms it must never import (a module's room: the longest name here its own starts with)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "edge_client": ("server",),  # the device runtime; the server imports it for the wire, models and contracts
+    # the device package: its command (cli.py, exits.py) may use every room; the server imports the rooms
+    "edge_client": ("server",),
+    # what crosses MQTT: both halves speak through it, so it builds on nothing of the device (secagg's sizes only)
+    "edge_client.wire": device_room_never("learning", "algorithms", "loop", "tools"),
+    # secure aggregation's device half: its own messages (the wire), nothing of the device's training
+    "edge_client.secagg": device_room_never("learning", "algorithms", "loop", "tools"),
+    # models, tasks, data: built alike by the server and by every device, knowing nothing of how they travel
+    "edge_client.learning": device_room_never("wire", "secagg", "algorithms", "loop", "tools"),
+    # each algorithm's client half and contract: on the wire's plan and facts, learning's flat model and data
+    "edge_client.algorithms": device_room_never("secagg", "loop", "tools"),
+    # the device loop: on every room above, never on the tools that drive it
+    "edge_client.loop": device_room_never("tools"),
+    "edge_client.tools": device_room_never(),  # check, benchmark, fetch-model: anything of edge_client
     "server": ("server.experiments",),  # the runtime: edge-server run, its config, strategies, dashboard
     "server.experiments": (),  # simulation and bench: anything above
 }
+#: what sits at edge_client's top level besides the rooms: the edge-client command and its exit statuses
+COMMAND = {"cli", "exits"}
 #: module -> a room it may import inside its functions only: the commands that are that room's door
 DOORS = {"server.cli": "server.experiments"}  # edge-server simulate, bench
 
@@ -173,6 +195,13 @@ def test_each_room_imports_only_what_it_may() -> None:
                 if not door:
                     trespass.add(f"{i.importer}:{i.line} imports {i.imported}")
     assert not trespass, f"imports across rooms (docs/architecture.md: what each room may import): {sorted(trespass)}"
+
+
+def test_edge_client_top_level_holds_the_rooms_and_the_command() -> None:
+    rooms = {r.removeprefix("edge_client.") for r in FORBIDDEN if r.startswith("edge_client.")}
+    top = {name.split(".")[1] for name in MODULES if name.startswith("edge_client.")}
+    stray = top - rooms - COMMAND
+    assert not stray, f"edge_client modules outside a room (move each into the room that holds its kind): {stray}"
 
 
 def test_third_party_imports_inside_functions_are_documented() -> None:
