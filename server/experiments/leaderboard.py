@@ -1,8 +1,8 @@
 """The fleet leaderboard: which algorithm reaches the target soonest on a fleet, one table per column of a bench.
 
 Rows are ranked by the mean time to the column's target on the column's clock: the parallel clock in-process (each
-round as long as its slowest device, ``server.fleet_summary``; a buffered row, ``@buffered``, on the discrete-event clock
-of ``server.buffered.clock``, each device's updates at its own speed, its rounds being aggregation steps of
+round as long as its slowest device, ``server.fleet_summary``; a buffered row, ``@buffered``, on the discrete-event
+clock of ``server.buffered.clock``, each device's updates at its own speed, its rounds being aggregation steps of
 ``train.buffer_size`` updates), this machine's wall clock over a broker (each client a process under its class's cgroup
 quota). A row whose seeds did not all reach the target ranks after those that did,
 by final accuracy. Every figure is a mean over the row's seeds with its spread (population standard deviation).
