@@ -86,9 +86,9 @@ def instrumented(timeline: Timeline) -> Iterator[None]:
             del self.link.publish
             rec["assign_end"] = time.time()
 
-    def _collect(self: Orchestrator, state: Any) -> Any:
+    def _collect(self: Orchestrator, state: Any, *args: Any) -> Any:
         try:
-            return orig["_collect"](self, state)
+            return orig["_collect"](self, state, *args)
         finally:
             timeline.round(state.round)["collect_end"] = time.time()
 
