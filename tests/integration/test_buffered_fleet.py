@@ -118,7 +118,7 @@ def _aggregated(metrics: Path, steps: int | None = None) -> list[str]:
 def test_the_server_killed_mid_run_resumes_without_aggregating_an_update_twice(federation, broker, tmp_path) -> None:
     """`edge-server run` buffered, SIGKILLed once 3 steps are checkpointed and restarted on the same directory: the
     run ends with every step recorded once and no update aggregated twice."""
-    job, rounds = "buffered-resume", 8  # the first run is killed after 3 steps: 5 would race its end
+    job, rounds = "buffered-resume", 20  # killed after 3 steps of a few hundredths of a second: far from its end
     orch, clients = federation(job, clients=3, rounds=rounds, once=False, train={"mode": "buffered", "buffer_size": 2})
     out = orch.out_dir
     toml = tmp_path / "run.toml"
