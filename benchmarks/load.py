@@ -409,7 +409,7 @@ def device_stage_seconds(row: dict[str, Any]) -> dict[str, dict[str, float]]:
     """The devices' own seconds per secure stage (their clocks, the masked inputs' ``secagg`` telemetry): median and
     max over the round's devices; empty for a plain round."""
     costs = [c["device"]["secagg"] for c in row["clients"].values() if "secagg" in c.get("device", {})]
-    stages = sorted({k for c in costs for k in c})
+    stages = list(dict.fromkeys(k for c in costs for k in c))  # in the order the device runs them
     return {k: {"median": statistics.median(c[k] for c in costs if k in c), "max": max(c.get(k, 0.0) for c in costs)}
             for k in stages}  # fmt: skip
 
@@ -597,7 +597,7 @@ def secure_summary(per_round: list[dict[str, Any]]) -> dict[str, Any]:
         return {s: statistics.median(x[key].get(s, 0) for x in rows) for s in stages}
 
     devices = [r["device_secagg_s"] for r in per_round if r["device_secagg_s"]]
-    device_stages = sorted({k for d in devices for k in d})
+    device_stages = list(dict.fromkeys(k for d in devices for k in d))
     return {
         "threshold": max((x["threshold"] for x in rows), default=0),
         "neighbours": max((x["neighbours"] for x in rows), default=0),
@@ -910,8 +910,8 @@ def render_secure(data: dict[str, Any]) -> str:
         "|---|---|",
         *(f"| {k} | {_verdict(ok)} |" for k, ok in checks.items()),
         "",
-        f"Secure aggregate against the closed form: worst error {worst_error:.4f} of one client's smallest "
-        f"contribution to an element; the tolerance, at most {worst_tol:.4f} of one client's contribution to its "
+        f"Secure aggregate against the closed form: worst error {worst_error:.2g} of one client's smallest "
+        f"contribution to an element; the tolerance, at most {worst_tol:.2g} of one client's contribution to its "
         f"element (limit {TOLERANCE_SHARE}), includes the ring's quantisation error (`devices / 2 / scale` of the "
         "round's ring).",
     ]
