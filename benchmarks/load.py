@@ -1,4 +1,5 @@
-"""Benchmark 6: load test of one mosquitto and the real server with many protocol-level clients (issue 16, "Load").
+"""Benchmark 6: load test of one mosquitto and the real server with many protocol-level clients (issue 16, "Load"),
+and with ``--secure`` the broker half of secure aggregation's cost (issue 26).
 
 The REAL ``server.orchestrator.Orchestrator`` (FedAvg) runs in a process of its own against a mosquitto started by
 ``server.broker.Broker`` (one login per device, the edgefl ACL). The clients do not train: each is a real
@@ -16,13 +17,26 @@ what the server's metrics row says (clients reported, rejections by reason, the 
 server's and the broker's peak resident memory during the round (psutil, sampled every 20 ms) and each worker
 process's peak.
 
-The federation runs at a quarter, half and all of ``--clients`` (250, 500 and 1000 for ``--clients 1000``), each
-size with a fresh broker and a fresh server process, so the server's peak memory of each size is its own. The file
-descriptor limit (RLIMIT_NOFILE) is raised to what the largest size needs, when the hard limit allows, before the
-broker starts (it inherits it).
+The federation runs at a quarter, half and all of ``--clients`` (250, 500 and 1000 for ``--clients 1000``), or at the
+sizes ``--sizes`` lists, each size with a fresh broker and a fresh server process, so the server's peak memory of each
+size is its own. The file descriptor limit (RLIMIT_NOFILE) is raised to what the largest size needs, when the hard
+limit allows, before the broker starts (it inherits it).
 
-    python -m benchmarks.load [--clients 1000] [--rounds 10] [--params 100000] [--workers 4] [--chunk-size 131072]
-                              [--quick] [--out DIR]
+``--secure`` runs each size twice, plain and then with ``[privacy] secure_aggregation = true`` (each with its fresh
+broker and server), so the two are measured side by side on the same machine state; it writes ``load-secure.json``
+and ``.md`` (the plain mode's ``load.*`` stay as they were). In the secure run each client runs the real device half,
+``edge_client.secagg.client.SecureClient``, wired as ``edge_client.loop.runtime`` wires it: keys on the assignment,
+the deterministic update clipped, weighted and quantised as if trained, shares, masked input and reveal on the
+server's stage messages. The clip norm is ``CLIP_MARGIN`` times the longest update of the run, so nothing is clipped
+and the closed form still holds; the aggregate's tolerance adds the ring's quantisation error (``quantisation_error``,
+from the round's ``Ring``), still far below one client's contribution, so a masked input lost, doubled or whose masks
+do not cancel still fails the round. Stage deadlines are ``STAGE_DEADLINE_S``: a stage waits only until every device
+answered, so a long deadline costs nothing, and a slow stage on this shared machine is measured, not dropped. The
+clients do not train: a secure round's time here is the protocol, the transport and the server, not a device's
+training.
+
+    python -m benchmarks.load [--clients 1000 | --sizes 250,500,1000] [--rounds 10] [--params 100000] [--workers 4]
+                              [--chunk-size 131072] [--secure [--neighbours 0]] [--quick] [--out DIR]
 
 Quick (CI): 20 clients (5, 10, 20), 3 rounds, about 100k parameters.
 """
@@ -41,20 +55,28 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from benchmarks.common import machine, machine_line, write_results
+from edge_client.secagg.ring import Ring
+
+if TYPE_CHECKING:  # needs the cryptography package: imported by a secure run only
+    from edge_client.secagg.client import SecureClient
 
 NAME = "load"
 SCALE = 1e-3  # keeps 20 rounds of made-up updates far from float32 trouble
 IN_FEATURES, NUM_CLASSES = 64, 10  # an MLP on digits-sized inputs: its hidden width sets the size
 TEST_IMAGES = 16  # the evaluator's test set: evaluation must cost next to nothing here
 REL_TOL = 1e-4  # of the round's mean update; one client's share is ~1/N of it (N <= 2000 keeps 5x margin)
+TOLERANCE_SHARE = 0.5  # the most of one client's contribution to an element the tolerance on it may be
 MEMORY_SLACK = 1.25  # late rounds' peak may exceed the early rounds' by this factor (plus MEMORY_SLACK_MB)
 MEMORY_SLACK_MB = 100.0
 JOB = "load"
+SECURE_NAME = "load-secure"  # --secure's results: the plain load table is not overwritten
+CLIP_MARGIN = 2.0  # --secure: the clip norm over the run's longest update (nothing is clipped)
+STAGE_DEADLINE_S = 600.0  # --secure: measure a slow stage rather than drop its round (a stage ends when all answered)
 
 
 def model_spec(params: int) -> dict[str, Any]:
@@ -79,6 +101,33 @@ def client_index(cid: str) -> int:
     return int(cid.removeprefix("d"))
 
 
+def clip_norm_for(params: int, clients: int, rounds: int) -> float:
+    """``CLIP_MARGIN`` times the longest update of the run (the last client's in the last round)."""
+    longest = delta_for(base_vector(params), clients - 1, clients, rounds)
+    return CLIP_MARGIN * float(np.linalg.norm(longest.astype(np.float64)))
+
+
+def privacy_for(params: int, clients: int, rounds: int, neighbours: int) -> dict[str, Any]:
+    """``[privacy]`` of a secure run: threshold and quantisation bits are the defaults."""
+    return {"secure_aggregation": True, "clip_norm": clip_norm_for(params, clients, rounds),
+            "neighbours": neighbours, "stage_deadline_s": STAGE_DEADLINE_S}  # fmt: skip
+
+
+def round_ring(privacy: dict[str, Any], clients: int) -> Ring:
+    """The ring of a round of ``clients`` devices under ``privacy``, as ``server.secagg.stages`` builds it."""
+    from server.dp.settings import PrivacySection
+
+    p = PrivacySection(**privacy)
+    return Ring(p.quantisation_bits, p.clip_norm, clients)
+
+
+def quantisation_error(ring: Ring) -> float:
+    """The most the unmasked mean of a round's updates differs from their float mean, per element: each device's
+    rounding to the ring's step (at most half of ``1 / scale``), over ``devices`` of them, divided by weights that
+    sum to 1 (``Ring.decode``)."""
+    return ring.devices / 2 / ring.scale
+
+
 # ------------------------------------------------------------------------------------------------ client workers
 def _serve_link(
     cid: str,
@@ -91,9 +140,25 @@ def _serve_link(
     lock: threading.Lock,
 ) -> None:
     """One device at protocol level: hello, keep the round models it is sent (asking the server for one it missed, as
-    ``edge_client.loop.runtime`` does), answer each assignment with the deterministic update until stop."""
+    ``edge_client.loop.runtime`` does), answer each assignment with the deterministic update until stop. A secure
+    assignment is answered as the runtime does: ``SecureClient`` advertises keys, keeps the update as ring elements
+    and answers the server's stage messages."""
+    from edge_client.algorithms import contract_of
     from edge_client.loop.models_cache import ModelCache
-    from edge_client.wire.messages import Assignment, GlobalModel, Hello, ModelRequest, Presence, Stop, Update
+    from edge_client.wire.messages import (
+        Assignment,
+        Failure,
+        GlobalModel,
+        Hello,
+        Message,
+        ModelRequest,
+        Presence,
+        SecAggRelay,
+        SecAggRoster,
+        SecAggUnmask,
+        Stop,
+        Update,
+    )
     from edge_client.wire.protocol import encode
     from edge_client.wire.topics import Topics
     from edge_client.wire.transport import LinkConfig, MqttLink
@@ -102,16 +167,51 @@ def _serve_link(
     index = client_index(cid)
     models = ModelCache(keep=1)
     waiting: list[Assignment] = []
+    secure: SecureClient | None = None  # once a round is secure (it needs the cryptography package)
     link: MqttLink
 
+    def send(msg: Message) -> int:
+        return link.publish(topics.up(cid), encode(msg))
+
     def hello() -> None:
-        link.publish(topics.up(cid), encode(Hello(client_id=cid, num_samples=1, device={"hostname": "load"})))
+        send(Hello(client_id=cid, num_samples=1, device={"hostname": "load"}))
+
+    def acknowledged(round_: int, deadline_s: float) -> None:
+        """The round's upload (update or masked input) reached the broker; counted."""
+        if not link.wait_published(timeout=deadline_s):
+            raise TimeoutError(f"{cid}: round {round_} upload not acknowledged in {deadline_s} s")
+        with lock:
+            stats["updates_sent"] += 1
+
+    def fail(round_: int, run_id: str, reason: str, exc: BaseException, deadline_s: float) -> None:
+        """The runtime's failure report (the server stops waiting for this device), and an error for the parent."""
+        send(Failure(round_, cid, reason, str(exc)[:2000], run_id=run_id))
+        with lock:
+            stats["errors"].append(f"{cid}: round {round_}: {reason}: {exc}")
+
+    def uploaded() -> None:
+        facts = secure.facts if secure is not None else None  # the round whose masked input was just sent
+        assert facts is not None
+        acknowledged(facts.round, facts.deadline_s)
+
+    def start_secure(assignment: Assignment, delta: np.ndarray) -> None:
+        """As ``edge_client.loop.runtime`` serves a secure assignment: keys now, the update once trained."""
+        nonlocal secure
+        a = assignment.facts
+        if secure is None:
+            from edge_client.secagg.client import SecureClient
+
+            secure = SecureClient(cid, send, fail, uploaded)
+        secure.start(a)
+        scalars = {"local_steps": assignment.plan.steps, "compute_s": 0.0, "cpu_s": 0.0, "train_loss": 0.0,
+                   "metrics": {}}  # fmt: skip
+        secure.trained({"delta": delta}, contract_of(a.algorithm).summed, 0.0, scalars)
 
     def answer(assignment: Assignment) -> None:
         a = assignment.facts
         if a.sha256 not in models:
             waiting[:] = [assignment]
-            link.publish(topics.up(cid), encode(ModelRequest(a.round, cid, a.sha256, run_id=a.run_id)))
+            send(ModelRequest(a.round, cid, a.sha256, run_id=a.run_id))
             with lock:
                 stats["model_requests"] += 1
             return
@@ -120,6 +220,10 @@ def _serve_link(
         size = assignment.plan.weights.size  # type: ignore[union-attr]
         if size != base.size:
             raise ValueError(f"{cid}: the round's model has {size} weights, expected {base.size}")
+        delta = delta_for(base, index, clients, a.round)
+        if a.secure and a.upload:  # the masked input follows the server's stage messages
+            start_secure(assignment, delta)
+            return
         update = Update(
             round=a.round,
             model_version=a.model_version,
@@ -129,14 +233,11 @@ def _serve_link(
             compute_s=0.0,
             cpu_s=0.0,
             train_loss=0.0,
-            delta=delta_for(base, index, clients, a.round),
+            delta=delta,
             run_id=a.run_id,
         )
-        link.publish(topics.up(cid), encode(update))
-        if not link.wait_published(timeout=a.deadline_s):
-            raise TimeoutError(f"{cid}: round {a.round} update not acknowledged in {a.deadline_s} s")
-        with lock:
-            stats["updates_sent"] += 1
+        send(update)
+        acknowledged(a.round, a.deadline_s)
 
     link = MqttLink(
         LinkConfig(url, cid, password, chunk_size=chunk_size),
@@ -166,6 +267,8 @@ def _serve_link(
                     answer(waiting[0])
             elif isinstance(msg, Assignment):
                 answer(msg)
+            elif isinstance(msg, (SecAggRoster, SecAggRelay, SecAggUnmask)) and secure is not None:
+                secure.handle(msg)
         link.wait_published(timeout=10.0)
     except Exception as exc:  # reported to the parent: a dead client must not pass unnoticed
         with lock:
@@ -234,14 +337,18 @@ class PeakSampler:
 
 
 class Checker:
-    """Observer of the orchestrator: after each round compare the checkpointed weights with the closed form."""
+    """Observer of the orchestrator: after each round compare the checkpointed weights with the closed form (within
+    the ring's quantisation error when ``ring``, the secure rounds' ring, is given)."""
 
-    def __init__(self, out_dir: Path, w0: np.ndarray, clients: int, sampler: PeakSampler) -> None:
+    def __init__(
+        self, out_dir: Path, w0: np.ndarray, clients: int, sampler: PeakSampler, ring: Ring | None = None
+    ) -> None:
         self.out_dir = out_dir
         self.previous = w0.astype(np.float64)
         self.base = base_vector(w0.size).astype(np.float64)
         self.clients = clients
         self.sampler = sampler
+        self.quantisation = 0.0 if ring is None else quantisation_error(ring)
         self.rounds: list[dict[str, Any]] = []
 
     def waiting(self, text: str) -> None:
@@ -254,9 +361,9 @@ class Checker:
         scale = np.mean([np.float32(SCALE * coefficient(i, self.clients) * r) for i in range(self.clients)])
         mean_update = scale * self.base
         expected = self.previous - mean_update
-        tol = REL_TOL * np.abs(mean_update) + 1e-6 * np.abs(self.previous)
+        tol = REL_TOL * np.abs(mean_update) + 1e-6 * np.abs(self.previous) + self.quantisation
         error = np.abs(weights - expected)
-        one_client = SCALE * r * self.base.min() / self.clients  # the smallest any single update moves an element
+        one_client = SCALE * r * self.base / self.clients  # the least one update moves each element (c_i >= 1)
         self.previous = weights
         peaks = self.sampler.take()
         self.rounds.append(
@@ -272,16 +379,23 @@ class Checker:
                 "aggregate_exact": bool(np.all(error <= tol)),
                 "aggregate_max_error": float(error.max()),
                 "aggregate_tolerance_max": float(tol.max()),
-                "one_client_contribution_min": float(one_client),
+                "one_client_contribution_min": float(one_client.min()),
+                "tolerance_share": float(np.max(tol / one_client)),  # of one client's contribution, worst element
                 "bytes_up": sum(c["bytes_up"] for c in row["clients"].values()),
                 "bytes_out": row["bytes_out"],
                 "assignment_bytes": sum(i["bytes_down"] for i in row["instructions"].values()),
+                # the server's link: the broadcast, the assignments and a secure round's stage messages
+                "egress_bytes": row["bytes_out"] + sum(row.get("secure", {}).get("bytes_down", {}).values()),
                 "server_peak_rss_mb": peaks["server"],
                 "broker_peak_rss_mb": peaks["broker"],
+                "dropped": row.get("dropped"),
+                "secure": row.get("secure"),  # server.secagg.stages' row: stages' seconds and bytes, who dropped
+                "device_secagg_s": device_stage_seconds(row),
             }
         )
         print(
-            f"{self.clients} clients, round {r:3d}: {row['round_s']:.2f} s, {row['clients_reported']}/"
+            f"{self.clients} clients{' secure' if 'secure' in row else ''}, round {r:3d}: {row['round_s']:.2f} s, "
+            f"{row['clients_reported']}/"
             f"{row['clients_selected']} reported, rejected {row['rejected'] or 'none'}, "
             f"aggregate {'exact' if self.rounds[-1]['aggregate_exact'] else 'WRONG'}, "
             f"out {row['bytes_out'] / 2**20:.1f} MiB, server peak {peaks['server']:.0f} MB, "
@@ -289,6 +403,15 @@ class Checker:
             file=sys.stderr,
             flush=True,
         )
+
+
+def device_stage_seconds(row: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The devices' own seconds per secure stage (their clocks, the masked inputs' ``secagg`` telemetry): median and
+    max over the round's devices; empty for a plain round."""
+    costs = [c["device"]["secagg"] for c in row["clients"].values() if "secagg" in c.get("device", {})]
+    stages = list(dict.fromkeys(k for c in costs for k in c))  # in the order the device runs them
+    return {k: {"median": statistics.median(c[k] for c in costs if k in c), "max": max(c.get(k, 0.0) for c in costs)}
+            for k in stages}  # fmt: skip
 
 
 def memory_verdict(rounds: list[dict[str, Any]], key: str) -> dict[str, Any]:
@@ -334,8 +457,11 @@ def fds_needed(clients: int) -> int:
     return 2 * clients + 256
 
 
-def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: int) -> dict[str, Any]:
-    """One federation of ``clients`` devices through a fresh broker, the server in this process."""
+def run_size(
+    clients: int, rounds: int, params: int, workers: int, chunk_size: int, privacy: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One federation of ``clients`` devices through a fresh broker, the server in this process; ``privacy``: the
+    run's ``[privacy]`` section (``privacy_for``: secure aggregation), None for plain rounds."""
     import torch
 
     from edge_client.learning.data import ArrayDataset
@@ -365,6 +491,7 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
                 "run": {"rounds": rounds, "out": str(tmp / "run"), "job": JOB, "target_accuracy": 1.0},
                 "clients": {"count": clients, "register_timeout_s": 600.0, "round_deadline_s": 600.0},
                 "train": {"algorithm": "fedavg", "local_steps": 1, "batch_size": 1, "lr": 0.1},
+                **({"privacy": privacy} if privacy else {}),
             }
         )
         torch.manual_seed(config.run.seed)  # what Orchestrator.run does before it builds the initial model
@@ -382,7 +509,7 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
         for p in procs:
             p.start()
         sampler = stack.enter_context(PeakSampler(broker.process.pid))  # type: ignore[union-attr]
-        checker = Checker(tmp / "run", w0, clients, sampler)
+        checker = Checker(tmp / "run", w0, clients, sampler, round_ring(privacy, clients) if privacy else None)
         orch = Orchestrator(
             config,
             LinkConfig(broker.url, broker.server.username, broker.server.password, chunk_size=chunk_size),
@@ -402,6 +529,8 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
     times = [r["round_s"] for r in per_round]
     data: dict[str, Any] = {
         "clients": clients,
+        "secure": bool(privacy),
+        "privacy": privacy or {},
         "params": int(w0.size),
         "update_bytes": int(w0.nbytes),
         "model_message_bytes": model_bytes,
@@ -415,6 +544,7 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
             "out": statistics.median(r["bytes_out"] for r in per_round),
             "out_max": max(r["bytes_out"] for r in per_round),
             "assignments": statistics.median(r["assignment_bytes"] for r in per_round),
+            "egress": statistics.median(r["egress_bytes"] for r in per_round),
         },
         "rejected_total": summary.get("rejected", {}),
         "workers_report": worker_stats,
@@ -436,14 +566,50 @@ def run_size(clients: int, rounds: int, params: int, workers: int, chunk_size: i
         "no_duplicate_accepted": all(r["clients_reported"] <= clients for r in per_round)
         and not any(r["rejected"].get("duplicate") for r in per_round),
         "aggregate_exact": all(r["aggregate_exact"] for r in per_round),
+        # else "exact" could not tell an update lost or doubled (secure: the ring's rounding grows with the fleet)
+        "tolerance_below_one_client": all(r["tolerance_share"] <= TOLERANCE_SHARE for r in per_round),
         "one_model_per_round": all(r["bytes_out"] <= allowed_out for r in per_round),
         "server_memory_bounded": data["server_memory"]["bounded"],
         "no_client_errors": not data["client_errors"],
     }
+    if privacy:
+        data["secure_summary"] = secure_summary(per_round)
+        data["checks"]["every_round_secure"] = all(
+            r["secure"] is not None
+            and not r["dropped"]
+            and r["secure"]["masked"] == clients
+            and not r["secure"]["dropped_before_masking"]
+            and not r["secure"]["dropped_after_masking"]
+            for r in per_round
+        )
     return data
 
 
-def _size_process(args: tuple[int, int, int, int, int], results: Any) -> None:
+def secure_summary(per_round: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the rounds of a secure run's stages: seconds (server clock), bytes up (the devices' links) and
+    down (the server's link) per stage, and the devices' own seconds per stage (their clocks)."""
+    from server.secagg.stages import STAGES  # needs the cryptography package, as a secure run does
+
+    rows = [r["secure"] for r in per_round if r["secure"]]
+
+    def median_of(key: str) -> dict[str, float]:
+        stages = [s for s in STAGES if any(s in x[key] for x in rows)]
+        return {s: statistics.median(x[key].get(s, 0) for x in rows) for s in stages}
+
+    devices = [r["device_secagg_s"] for r in per_round if r["device_secagg_s"]]
+    device_stages = list(dict.fromkeys(k for d in devices for k in d))
+    return {
+        "threshold": max((x["threshold"] for x in rows), default=0),
+        "neighbours": max((x["neighbours"] for x in rows), default=0),
+        "stage_s": median_of("stage_s"),
+        "bytes_up": median_of("bytes_up"),
+        "bytes_down": median_of("bytes_down"),
+        "device_s": {k: statistics.median(d[k]["median"] for d in devices if k in d) for k in device_stages},
+        "device_s_max": {k: max(d[k]["max"] for d in devices if k in d) for k in device_stages},
+    }
+
+
+def _size_process(args: tuple[Any, ...], results: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         results.put(run_size(*args))
@@ -452,30 +618,50 @@ def _size_process(args: tuple[int, int, int, int, int], results: Any) -> None:
         raise
 
 
-def run(
-    clients: int, rounds: int, params: int, workers: int, chunk_size: int, quick: bool, out: Path | None
-) -> dict[str, Any]:
-    """Every size of ``sizes_for(clients)``, one after another, each with its server in a process of its own."""
-    fd = raise_fd_limit(fds_needed(clients))
+def _run_in_process(clients: int, *args: Any) -> dict[str, Any]:
+    """``run_size(clients, *args)`` with its server in a process of its own (its peak memory is its own)."""
     ctx = mp.get_context("spawn")
-    runs = []
-    for n in sizes_for(clients):
-        results = ctx.Queue()
-        proc = ctx.Process(target=_size_process, args=((n, rounds, params, workers, chunk_size), results))
-        proc.start()
-        result = results.get()  # the child ends only after this is read (its queue feeder flushes first)
-        proc.join()
-        if "error" in result:
-            raise RuntimeError(f"the run with {n} clients failed: {result['error']}")
-        runs.append(result)
+    results = ctx.Queue()
+    proc = ctx.Process(target=_size_process, args=((clients, *args), results))
+    proc.start()
+    result = results.get()  # the child ends only after this is read (its queue feeder flushes first)
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"the run with {clients} clients failed: {result['error']}")
+    return result
+
+
+def run(
+    sizes: list[int],
+    rounds: int,
+    params: int,
+    workers: int,
+    chunk_size: int,
+    quick: bool,
+    out: Path | None,
+    secure: bool = False,
+    neighbours: int = 0,
+    sizes_given: bool = False,
+) -> dict[str, Any]:
+    """Every size, one after another; with ``secure`` each size plain and then with secure aggregation (SecAgg+'s
+    graph of degree ``neighbours``, 0: complete), written as ``load-secure``. ``sizes_given``: from ``--sizes``."""
+    fd = raise_fd_limit(fds_needed(max(sizes)))
+    runs, secure_runs = [], []
+    for n in sizes:
+        runs.append(_run_in_process(n, rounds, params, workers, chunk_size))
+        if secure:
+            privacy = privacy_for(params, n, rounds, neighbours)
+            secure_runs.append(_run_in_process(n, rounds, params, workers, chunk_size, privacy))
     data: dict[str, Any] = {
-        "name": NAME,
+        "name": SECURE_NAME if secure else NAME,
         "quick": quick,
+        "secure": secure,
         "machine": machine(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {
-            "clients": clients,
-            "sizes": sizes_for(clients),
+            "clients": max(sizes),
+            "sizes": sizes,
+            "sizes_given": sizes_given,
             "rounds": rounds,
             "params_requested": params,
             "params": runs[0]["params"],
@@ -485,9 +671,15 @@ def run(
             "update_bytes": runs[0]["update_bytes"],
             "test_images": TEST_IMAGES,
             "broker": {"max_inflight_messages": 20, "max_queued_messages": 10000, "max_packet_size": 16 * 2**20},
+            **(
+                {"neighbours": neighbours, "clip_margin": CLIP_MARGIN, "stage_deadline_s": STAGE_DEADLINE_S}
+                if secure
+                else {}
+            ),
         },
         "fd_limit": fd,
         "runs": runs,
+        **({"secure_runs": secure_runs} if secure else {}),
     }
     small, large = runs[0], runs[-1]
     flat_bound = MEMORY_SLACK * small["server_peak_rss_mb"] + MEMORY_SLACK_MB
@@ -500,9 +692,10 @@ def run(
         / max(1, large["clients"] - small["clients"])
         * 100,
     }
-    data["checks"] = {k: all(r["checks"][k] for r in runs) for k in runs[0]["checks"]}
+    every = runs + secure_runs
+    data["checks"] = {k: all(r["checks"][k] for r in every if k in r["checks"]) for r0 in every for k in r0["checks"]}
     data["checks"]["server_memory_flat_across_sizes"] = data["server_memory_across_sizes"]["flat"]
-    write_results(NAME, data, render(data), out)
+    write_results(data["name"], data, render_secure(data) if secure else render(data), out)
     return data
 
 
@@ -514,16 +707,24 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def command(data: dict[str, Any]) -> str:
+    """The command line that produced ``data``."""
+    cfg = data["config"]
+    sizes = [f"--sizes {','.join(map(str, cfg['sizes']))}"] if cfg.get("sizes_given") else []
+    flags = ["--quick", *sizes] if data["quick"] else [
+        *(sizes or [f"--clients {cfg['clients']}"]), f"--rounds {cfg['rounds']}", f"--params {cfg['params_requested']}",
+        f"--workers {cfg['workers']}", f"--chunk-size {cfg['chunk_size']}",
+    ]  # fmt: skip
+    if data.get("secure"):
+        flags.append(f"--secure --neighbours {cfg['neighbours']}")
+    return " ".join(["python -m benchmarks.load", *flags])
+
+
 def render(data: dict[str, Any]) -> str:
     cfg, checks, runs = data["config"], data["checks"], data["runs"]
     mem = data["server_memory_across_sizes"]
     fd = data["fd_limit"]
-    cmd = "python -m benchmarks.load" + (
-        " --quick"
-        if data["quick"]
-        else f" --clients {cfg['clients']} --rounds {cfg['rounds']} --params {cfg['params_requested']} "
-        f"--workers {cfg['workers']} --chunk-size {cfg['chunk_size']}"
-    )
+    cmd = command(data)
     worst_err = max(
         r["aggregate_max_error"] / r["one_client_contribution_min"] for run in runs for r in run["per_round"]
     )
@@ -616,9 +817,135 @@ def render(data: dict[str, Any]) -> str:
                 f"| {_mib(x['bytes_up'])} | {x['server_peak_rss_mb']:.0f} | {x['broker_peak_rss_mb']:.0f} | "
                 f"{'exact' if x['aggregate_exact'] else 'WRONG'} |"
             )
-        if r["client_errors"]:
-            lines += ["", "Client errors (first 10):", "", *(f"- {e}" for e in r["client_errors"][:10])]
+        lines += _client_errors(r)
     return "\n".join(lines) + "\n"
+
+
+def _client_errors(run: dict[str, Any]) -> list[str]:
+    """Markdown lines listing a run's first client errors (none: no lines)."""
+    errors = run["client_errors"][:10]
+    return ["", "Client errors (first 10):", "", *(f"- {e}" for e in errors)] if errors else []
+
+
+def _ratio(secure: float, plain: float) -> str:
+    return f"{secure / plain:.2f}x" if plain else "-"
+
+
+def _stages(values: dict[str, float], fmt: str) -> str:
+    return " / ".join(f"{k} {format(v, fmt)}" for k, v in values.items()) or "-"
+
+
+def render_secure(data: dict[str, Any]) -> str:
+    """``--secure``'s table: each size plain and secure side by side, then the secure rounds' stages."""
+    cfg, checks, fd = data["config"], data["checks"], data["fd_limit"]
+    pairs = list(zip(data["runs"], data["secure_runs"], strict=True))
+    secure_rounds = [r for _, run in pairs for r in run["per_round"]]
+    worst_error = max(r["aggregate_max_error"] / r["one_client_contribution_min"] for r in secure_rounds)
+    worst_tol = max(r["tolerance_share"] for r in secure_rounds)
+    lines = [
+        "## Load with secure aggregation: plain and secure rounds side by side through one mosquitto",
+        "",
+        f"Command: `{command(data)}` (mode: {'quick' if data['quick'] else 'full'}, secure)",
+        "",
+        machine_line(data["machine"]),
+        "",
+        "Load average (1/5/15 min) before each run: "
+        + "; ".join(
+            f"{r['clients']} {'secure' if r['secure'] else 'plain'} {'/'.join(f'{x:.1f}' for x in r['loadavg_before'])}"
+            for pair in pairs
+            for r in pair
+        )
+        + ". Times are wall clock (`time.monotonic` in the server process) on this shared machine, except the "
+        "devices' own stage seconds (`time.perf_counter` in the client worker processes).",
+        "",
+        f"Setup: for each size, a plain run and then a secure one (`[privacy] secure_aggregation = true`), each with "
+        f"the real orchestrator (FedAvg) in a process of its own and a fresh mosquitto from `server.broker.Broker`; "
+        f"`MqttLink` clients in {cfg['workers']} worker processes that do not train: each answers its assignment with "
+        f"a made-up update (a secure client runs the real `edge_client.secagg.client.SecureClient`: keys, shares, "
+        f"masked input, reveal), so a round's time is the protocol, the transport and the server, not training. Model "
+        f"{cfg['model']} = {cfg['params']} parameters, {cfg['update_bytes']} bytes per fp32 update; chunk size "
+        f"{cfg['chunk_size']} bytes; {cfg['rounds']} rounds per run. Secure: `neighbours = {cfg['neighbours']}` "
+        f"({'0: the complete graph' if not cfg['neighbours'] else 'SecAgg+; the complete graph when not fewer devices'}"
+        f"), the default threshold and 32-bit ring, `clip_norm` {cfg['clip_margin']} x the longest update of the run "
+        f"(nothing clipped), stage deadlines {cfg['stage_deadline_s']:.0f} s. RLIMIT_NOFILE soft {fd['soft']} "
+        f"(hard {fd['hard']}).",
+        "",
+        "| devices | round s median, plain / secure (ratio) | bytes up per device and round, plain / secure (ratio; "
+        "the devices' links) | server egress per round MiB, plain / secure (ratio; the server's link) | server peak "
+        "RSS MB, plain / secure | aggregate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for plain, sec in pairs:
+        n = plain["clients"]
+        up = [r["bytes_per_round"]["up"] / n for r in (plain, sec)]
+        out = [r["bytes_per_round"]["egress"] for r in (plain, sec)]
+        t = [r["round_s"]["median"] for r in (plain, sec)]
+        exact = plain["checks"]["aggregate_exact"] and sec["checks"]["aggregate_exact"]
+        lines.append(
+            f"| {n} | {t[0]:.2f} / {t[1]:.2f} ({_ratio(t[1], t[0])}) | {up[0]:,.0f} / {up[1]:,.0f} "
+            f"({_ratio(up[1], up[0])}) | {_mib(out[0])} / {_mib(out[1])} ({_ratio(out[1], out[0])}) | "
+            f"{plain['server_peak_rss_mb']:.0f} / {sec['server_peak_rss_mb']:.0f} | "
+            f"{'within tolerance every round' if exact else 'WRONG'} |"
+        )
+    lines += [
+        "",
+        "Secure rounds, medians over the rounds: each stage's seconds (server clock), bytes up per device (the "
+        "devices' links) and bytes down (the server's link, all devices), and a device's own seconds (its clock; "
+        "median over devices, and the largest of any device in any round):",
+        "",
+        "| devices | neighbours | t | stage s | stage bytes up per device | stage bytes down, all devices | device s "
+        "median | device s max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for _, sec in pairs:
+        x, n = sec["secure_summary"], sec["clients"]
+        lines.append(
+            f"| {n} | {x['neighbours']} | {x['threshold']} | {_stages(x['stage_s'], '.3f')} | "
+            f"{_stages({k: v / n for k, v in x['bytes_up'].items()}, ',.0f')} | {_stages(x['bytes_down'], ',.0f')} | "
+            f"{_stages(x['device_s'], '.4f')} | {_stages(x['device_s_max'], '.4f')} |"
+        )
+    lines += [
+        "",
+        "| check | result |",
+        "|---|---|",
+        *(f"| {k} | {_verdict(ok)} |" for k, ok in checks.items()),
+        "",
+        f"Secure aggregate against the closed form: worst error {worst_error:.2g} of one client's smallest "
+        f"contribution to an element; the tolerance, at most {worst_tol:.2g} of one client's contribution to its "
+        f"element (limit {TOLERANCE_SHARE}), includes the ring's quantisation error (`devices / 2 / scale` of the "
+        "round's ring).",
+    ]
+    for _, sec in pairs:
+        lines += [
+            "",
+            f"{sec['clients']} devices, secure, per round:",
+            "",
+            "| round | round s | stage s (server clock) | reported | dropped | bytes up per device | egress MiB | "
+            "aggregate |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sec["per_round"]:
+            x = r["secure"] or {}
+            gone = x.get("dropped_before_masking", []) + x.get("dropped_after_masking", [])
+            lines.append(
+                f"| {r['round']} | {r['round_s']:.2f} | {_stages(x.get('stage_s', {}), '.3f')} | "
+                f"{r['clients_reported']}/{r['clients_selected']} | {r['dropped'] or gone or '-'} | "
+                f"{r['bytes_up'] / sec['clients']:,.0f} | {_mib(r['egress_bytes'])} | "
+                f"{'within tolerance' if r['aggregate_exact'] else 'WRONG'} |"
+            )
+        lines += _client_errors(sec)
+    return "\n".join(lines) + "\n"
+
+
+def _sizes(text: str) -> list[int]:
+    """``--sizes 10,50,100``: distinct federation sizes, in increasing order."""
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 10,50,100, got {text!r}") from None
+    if not sizes or sizes[0] < 2:
+        raise argparse.ArgumentTypeError(f"expected sizes >= 2 like 10,50,100, got {text!r}")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -627,27 +954,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients", type=int, default=None, help="largest size; also run at 1/4 and 1/2 (default 1000)"
     )
+    parser.add_argument("--sizes", type=_sizes, default=None, help="the sizes to run, e.g. 10,50,100 (not --clients)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds per size (default 10, quick 3)")
     parser.add_argument("--params", type=int, default=100_000, help="model size (default 100000)")
     parser.add_argument("--workers", type=int, default=4, help="client worker processes (default 4)")
     parser.add_argument("--chunk-size", type=int, default=128 << 10, help="chunk size of every link (default 128 KiB)")
+    parser.add_argument(
+        "--secure",
+        action="store_true",
+        help=f"each size plain, then with secure aggregation; writes {SECURE_NAME}.json and .md",
+    )
+    parser.add_argument(
+        "--neighbours", type=int, default=0, help="--secure: SecAgg+'s graph degree (even; default 0: complete graph)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="results directory (default: benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.sizes and args.clients:
+        parser.error("--sizes and --clients are exclusive: --sizes lists every size, --clients derives three")
     clients = args.clients or (20 if args.quick else 1000)
+    sizes = args.sizes or sizes_for(clients)
     rounds = args.rounds or (3 if args.quick else 10)
     checks = (("--clients", clients, 4), ("--rounds", rounds, 2), ("--params", args.params, 100),
               ("--chunk-size", args.chunk_size, 4096))  # fmt: skip
     for flag, value, low in checks:
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
+    if args.secure:  # the run's own check of [privacy], before any broker starts
+        from server.dp.settings import PrivacySection
+        from server.secagg.settings import secure_refusal_of
+
+        refused = secure_refusal_of(PrivacySection(**privacy_for(args.params, sizes[-1], rounds, args.neighbours)),
+                                    "fedavg")  # fmt: skip
+        if refused:
+            parser.error(refused)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    data = run(clients, rounds, args.params, args.workers, args.chunk_size, args.quick, args.out)
+    data = run(sizes, rounds, args.params, args.workers, args.chunk_size, args.quick, args.out, args.secure,
+               args.neighbours, sizes_given=args.sizes is not None)  # fmt: skip
     failed = [k for k, ok in data["checks"].items() if not ok]
+    every = data["runs"] + data.get("secure_runs", [])
     print(
-        f"load: {data['config']['sizes']} clients x {rounds} rounds x {data['config']['params']} params: server peak "
-        + ", ".join(f"{r['server_peak_rss_mb']:.0f} MB" for r in data["runs"])
+        f"{data['name']}: {sizes} clients x {rounds} rounds x {data['config']['params']} params: server peak "
+        + ", ".join(f"{r['server_peak_rss_mb']:.0f} MB" for r in every)
         + "; round median "
-        + ", ".join(f"{r['round_s']['median']:.2f} s" for r in data["runs"])
+        + ", ".join(f"{r['round_s']['median']:.2f} s{' secure' if r['secure'] else ''}" for r in every)
         + "; "
         + (f"MISSED {failed}" if failed else "all checks passed"),
         file=sys.stderr,

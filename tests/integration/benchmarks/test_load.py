@@ -1,9 +1,12 @@
-"""The load benchmark (issues 7 and 16): its quick mode end to end at three sizes, and that the server does not hold a
-burst of uploads in memory (what made its peak grow with the fleet). Its aggregate check:
-tests/unit/benchmarks/test_load.py."""
+"""The load benchmark (issues 7, 16 and 26): its quick mode end to end at three sizes, its secure mode (plain and secure
+aggregation side by side) at a tiny size, and that the server does not hold a burst of uploads in memory (what made its
+peak grow with the fleet). Its aggregate check: tests/unit/benchmarks/test_load.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -51,6 +54,40 @@ def test_quick_load_nothing_lost_or_doubled_one_model_per_round(tmp_path: Path) 
         assert not run["broker_dropped_messages"]
     assert all(data["checks"].values()), data["checks"]
     assert "| server egress per round |" in md and "MISS" not in md
+
+
+@pytest.mark.integration
+def test_secure_load_aggregates_every_round_securely_beside_a_plain_run(tmp_path: Path) -> None:
+    """``--secure`` at 3 devices, 2 rounds: a plain run and then a secure one, each through its own mosquitto, whose
+    clients run the real ``SecureClient``. Every secure round has all 3 devices masked, nobody dropped, each stage
+    timed and its bytes counted, and the unmasked aggregate matches the closed form within the ring's rounding (masks
+    that did not cancel, or a masked input lost or doubled, would not: tests/unit/benchmarks/test_load.py); the
+    plain table is not overwritten."""
+    require_mosquitto()
+    argv = ["--secure", "--sizes", "3", "--rounds", "2", "--params", "2000", "--workers", "2", "--out", str(tmp_path)]
+    root = Path(__file__).resolve().parents[3]  # as its users run it (in this process its queues would leave
+    cmd = [sys.executable, "-m", "benchmarks.load", *argv]  # multiprocessing's resource tracker running)
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "load-secure.json").read_text())
+    md = (tmp_path / "load-secure.md").read_text()
+    assert not (tmp_path / "load.json").exists()
+    (plain,), (secure,) = data["runs"], data["secure_runs"]
+    assert (plain["secure"], secure["secure"]) == (False, True)
+    size = data["config"]["update_bytes"]
+    for r in secure["per_round"]:
+        s = r["secure"]
+        assert (r["clients_reported"], s["advertised"], s["shared"], s["masked"]) == (3, 3, 3, 3), r
+        assert s["dropped_before_masking"] == s["dropped_after_masking"] == [] and r["dropped"] is None, r
+        assert set(s["stage_s"]) == set(s["bytes_up"]) == {"keys", "shares", "masked", "unmask"}, s
+        assert r["aggregate_exact"] and r["tolerance_share"] <= load.TOLERANCE_SHARE, r
+        assert r["bytes_up"] >= 3 * size  # every masked input (4 bytes per parameter) crossed the broker whole
+        assert r["egress_bytes"] == r["bytes_out"] + sum(s["bytes_down"].values()) > r["bytes_out"]
+        assert set(r["device_secagg_s"]) == {"keys_s", "quantise_s", "share_s", "mask_s"}, r
+    assert all(r["aggregate_exact"] and r["secure"] is None for r in plain["per_round"])
+    assert secure["updates_sent"] == 6 and secure["client_errors"] == []
+    assert all(data["checks"].values()) and data["checks"]["every_round_secure"], data["checks"]
+    assert "| every_round_secure | PASS |" in md and "MISS" not in md and "WRONG" not in md
 
 
 def test_a_burst_of_uploads_waits_in_the_run_directory_not_in_the_servers_memory(tmp_path: Path) -> None:
