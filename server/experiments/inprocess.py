@@ -18,6 +18,7 @@ client is a core of this machine and transfers are not modelled. No deadline app
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -50,21 +51,46 @@ NO_DEADLINE_S = 1e9
 
 
 class LocalBus:
-    """Routes published frames to every other attached link whose subscriptions match, keeping retained ones."""
+    """Routes published frames to every other attached link whose subscriptions match, keeping retained ones.
+
+    Thousands of simulated devices (a differential-privacy population) must not cost a scan of every link per frame:
+    each topic's subscribers are found once and kept until a link comes or goes (a link's subscriptions are fixed),
+    and the clients with frames waiting are kept in a heap of their positions, served in the order a scan would."""
 
     def __init__(self) -> None:
         self.links: list[LocalLink] = []
         self.retained: dict[str, bytes] = {}
         self.clients: list[tuple[EdgeClient, LocalLink]] = []
+        self._routes: dict[str, list[LocalLink]] = {}  # topic -> the attached links subscribed to it
+        self._waiting: list[int] = []  # heap of positions in ``clients`` that were sent a frame
+        self._queued: set[int] = set()
+
+    def attach(self, link: LocalLink) -> None:
+        self.links.append(link)
+        self._routes.clear()
+
+    def detach(self, link: LocalLink) -> None:
+        if link in self.links:
+            self.links.remove(link)
+            self._routes.clear()
 
     def deliver(self, sender: LocalLink, topic: str, payload: bytes, retain: bool) -> None:
         if retain and payload:
             self.retained[topic] = payload
         elif retain:  # an empty retained message clears the topic, as on a broker
             self.retained.pop(topic, None)
-        for link in self.links:
-            if link is not sender and link.subscribed(topic):
+        routes = self._routes.get(topic)
+        if routes is None:
+            routes = self._routes[topic] = [link for link in self.links if link.subscribed(topic)]
+        for link in routes:
+            if link is not sender:
                 link.put(topic, payload)
+
+    def sent(self, position: int) -> None:
+        """Client ``position`` was sent a frame: it is among those ``run_next_client`` serves."""
+        if position not in self._queued:
+            self._queued.add(position)
+            heapq.heappush(self._waiting, position)
 
     def connect(self, subscriptions: list[str], on_connect: Callable[[], None]) -> LocalLink:
         """An EdgeClient's ``link_factory``."""
@@ -74,12 +100,16 @@ class LocalBus:
         """Attach a client built with ``link_factory=bus.connect``; it says hello as it would on connecting."""
         if not isinstance(client.link, LocalLink):
             raise TypeError(f"client {client.client_id} was not built with link_factory=bus.connect")
+        client.link.position = len(self.clients)
         self.clients.append((client, client.link))
         client.link.start()
 
     def run_next_client(self) -> bool:
         """Let the first client with messages waiting handle all of them; False when no client had any."""
-        for client, link in self.clients:
+        while self._waiting:
+            position = heapq.heappop(self._waiting)
+            self._queued.discard(position)
+            client, link = self.clients[position]
             if link.pending():
                 while (received := link.receive(0)) is not None:
                     client.handle(received[1])
@@ -105,18 +135,21 @@ class LocalLink(Inbox):
         self.subscriptions = subscriptions
         self.drives_clients = drives_clients
         self._on_connect = on_connect
+        self.position: int | None = None  # its client's place on the bus (``LocalBus.add_client``)
 
     def subscribed(self, topic: str) -> bool:
         return any(topic_matches_sub(sub, topic) for sub in self.subscriptions)
 
     def put(self, topic: str, payload: bytes) -> None:
         self._offer(topic, payload)
+        if self.position is not None:
+            self.bus.sent(self.position)
 
     def pending(self) -> bool:
         return not self._inbox.empty()
 
     def start(self) -> LocalLink:
-        self.bus.links.append(self)
+        self.bus.attach(self)
         for topic, payload in self.bus.retained.items():
             if self.subscribed(topic):
                 self.put(topic, payload)
@@ -125,8 +158,7 @@ class LocalLink(Inbox):
         return self
 
     def stop(self) -> None:
-        if self in self.bus.links:
-            self.bus.links.remove(self)
+        self.bus.detach(self)
 
     def publish(self, topic: str, payload: bytes | bytearray, *, retain: bool = False, chunked: bool = True) -> int:
         self.bus.deliver(self, topic, bytes(payload), retain)
