@@ -13,6 +13,7 @@ device's bars are its own sequence of download, compute and upload, from when ea
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ COLOURS = {"download": "tab:blue", "overhead": "tab:brown", "compute": "tab:oran
            "idle": "0.88", "missed": "tab:red"}  # fmt: skip
 #: A deadline at least this long is no deadline (in-process runs wait for every client).
 NO_DEADLINE_S = 1e8
+#: At most this many rows: thousands (a sampled differential-privacy population) would make a plot nobody can read,
+#: hundreds of inches tall and minutes to draw. The devices that took part in the most rounds are drawn.
+MAX_ROWS = 60
 
 
 def _round_start(row: dict[str, Any], parallel: bool) -> tuple[float, float]:
@@ -78,16 +82,28 @@ def _segments(row: dict[str, Any], parallel: bool) -> dict[str, list[tuple[str, 
     return out
 
 
-def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Mapping[str, str] | None = None) -> None:
-    """Write the timeline of ``rows`` (metrics.jsonl) to ``path``; ``known``: each client's device class."""
-    parallel = "parallel_elapsed_s" in rows[0]
+def drawn_devices(rows: list[dict[str, Any]], known: Mapping[str, str] | None) -> tuple[list[str], dict[str, str]]:
+    """The rows of the timeline in order (by device class, then id; at most ``MAX_ROWS``, those in the most rounds)
+    and every device's class."""
     classes: dict[str, str] = dict(known or {})
+    rounds: Counter[str] = Counter()
     for row in rows:
         for cid, c in row["clients"].items():
             classes.setdefault(cid, c.get("device_class", ""))
-        for cid in [*row["missing"], *(r["client"] for r in row.get("train_only", []))]:
+        others = [*row["missing"], *(r["client"] for r in row.get("train_only", []))]
+        for cid in others:
             classes.setdefault(cid, "")
-    order = sorted(classes, key=lambda c: (classes[c], c))
+        rounds.update({*row["clients"], *others})
+    drawn = sorted(classes, key=lambda c: (-rounds[c], classes[c], c))[:MAX_ROWS]
+    return sorted(drawn, key=lambda c: (classes[c], c)), classes
+
+
+def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Mapping[str, str] | None = None) -> None:
+    """Write the timeline of ``rows`` (metrics.jsonl) to ``path``; ``known``: each client's device class."""
+    parallel = "parallel_elapsed_s" in rows[0]
+    order, classes = drawn_devices(rows, known)
+    if len(order) < len(classes):
+        title = f"{title}\n{len(order)} of {len(classes)} devices drawn: those in the most rounds"
     y = {cid: i for i, cid in enumerate(order)}
     starts = {row["round"]: _round_start(row, parallel) for row in rows}
     begin, end = min(s for s, _ in starts.values()), max(start + length for start, length in starts.values())
@@ -99,10 +115,14 @@ def plot_timeline(rows: list[dict[str, Any]], path: Path, title: str, known: Map
     begin = min([begin, *(u["started_s"] for r in rows for u in r.get("updates", ()))])
     for row in rows:
         for cid, segs in _segments(row, parallel).items():
+            if cid not in y:
+                continue
             for phase, t, seconds in segs:
                 ax.broken_barh([(t, seconds)], (y[cid] - 0.4, 0.8), facecolors=COLOURS[phase], linewidth=0)
                 used.add(phase)
         for r in row.get("train_only", []):
+            if r["client"] not in y:
+                continue
             begun = starts.get(r["round"], _round_start(row, parallel))[0]
             ax.broken_barh([(begun, r["compute_s"])], (y[r["client"]] - 0.4, 0.8), facecolors="none",
                            edgecolors=COLOURS["compute"], hatch="///", linewidth=0.5)  # fmt: skip

@@ -54,37 +54,46 @@ class LocalBus:
     """Routes published frames to every other attached link whose subscriptions match, keeping retained ones.
 
     Thousands of simulated devices (a differential-privacy population) must not cost a scan of every link per frame:
-    each topic's subscribers are found once and kept until a link comes or goes (a link's subscriptions are fixed),
-    and the clients with frames waiting are kept in a heap of their positions, served in the order a scan would."""
+    links are indexed by subscription, exact topics in a dict and the few wildcard filters (the same for every client)
+    matched once each, and the clients with frames waiting are kept in a heap of their positions, served in the order
+    a scan of the clients would serve them."""
 
     def __init__(self) -> None:
         self.links: list[LocalLink] = []
         self.retained: dict[str, bytes] = {}
         self.clients: list[tuple[EdgeClient, LocalLink]] = []
-        self._routes: dict[str, list[LocalLink]] = {}  # topic -> the attached links subscribed to it
+        self._exact: dict[str, list[LocalLink]] = {}  # topic filter without wildcards -> its subscribers
+        self._wildcard: dict[str, list[LocalLink]] = {}  # filter with + or # -> its subscribers
         self._waiting: list[int] = []  # heap of positions in ``clients`` that were sent a frame
         self._queued: set[int] = set()
 
+    def _index(self, link: LocalLink) -> list[list[LocalLink]]:
+        return [
+            (self._wildcard if "+" in sub or "#" in sub else self._exact).setdefault(sub, [])
+            for sub in link.subscriptions
+        ]
+
     def attach(self, link: LocalLink) -> None:
         self.links.append(link)
-        self._routes.clear()
+        for subscribers in self._index(link):
+            subscribers.append(link)
 
     def detach(self, link: LocalLink) -> None:
         if link in self.links:
             self.links.remove(link)
-            self._routes.clear()
+            for subscribers in self._index(link):
+                subscribers.remove(link)
 
     def deliver(self, sender: LocalLink, topic: str, payload: bytes, retain: bool) -> None:
         if retain and payload:
             self.retained[topic] = payload
         elif retain:  # an empty retained message clears the topic, as on a broker
             self.retained.pop(topic, None)
-        routes = self._routes.get(topic)
-        if routes is None:
-            routes = self._routes[topic] = [link for link in self.links if link.subscribed(topic)]
-        for link in routes:
-            if link is not sender:
-                link.put(topic, payload)
+        groups = [self._exact.get(topic, [])]
+        groups += [links for sub, links in self._wildcard.items() if topic_matches_sub(sub, topic)]
+        receivers = {id(link): link for links in groups for link in links if link is not sender}  # once each
+        for link in receivers.values():
+            link.put(topic, payload)
 
     def sent(self, position: int) -> None:
         """Client ``position`` was sent a frame: it is among those ``run_next_client`` serves."""

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import matplotlib.image
 import pytest
 from rich.console import Console
 from rich.logging import RichHandler
@@ -23,7 +24,7 @@ from server.dashboard.server import Address, DashboardServer
 from server.dashboard.view import RunView
 from server.progress import classes_table, clients_table
 from server.recorder import run_title
-from server.timeline import deadline_label
+from server.timeline import MAX_ROWS, deadline_label, drawn_devices, plot_timeline
 
 
 def rendered(table: Any) -> str:
@@ -49,6 +50,21 @@ def test_the_timeline_legend_and_the_title_say_what_they_show() -> None:
     assert "2 of 30 drawn" in label and "ended early" in label and "not shown" not in label
     assert run_title("fedavg", "none", 3) == "fedavg · devices' own data, no server data set · 3 clients"
     assert run_title("fedavg", "digits", 3) == "fedavg · digits · 3 clients"
+
+
+def test_a_timeline_of_thousands_of_devices_draws_those_in_the_most_rounds(tmp_path: Path) -> None:
+    rows = []  # a sampled population: 30 new devices a round, and two that are chosen every round
+    for r in range(1, 21):
+        chosen = [f"d{r:02d}-{i:02d}" for i in range(30)] + ["often-a", "often-b"]
+        clients = {cid: {"compute_s": 1.0, "device_class": "pi4"} for cid in chosen}
+        rows.append({"round": r, "clients": clients, "missing": [], "assign_cpu_s": 0.01, "deadline_s": 1e9,
+                     "parallel_round_s": 1.0, "parallel_elapsed_s": float(r)})  # fmt: skip
+    order, classes = drawn_devices(rows, None)
+    assert len(classes) == 602 and len(order) == MAX_ROWS
+    assert {"often-a", "often-b"} <= set(order) and order == sorted(order)
+    plot_timeline(rows, tmp_path / "timeline.png", "fedavg", None)
+    height_px = matplotlib.image.imread(tmp_path / "timeline.png").shape[0]
+    assert height_px <= 110 * (1.9 + 0.3 * MAX_ROWS) + 1  # 60 rows, not 602
 
 
 def test_the_console_shows_the_level_once(tmp_path: Path) -> None:
