@@ -35,6 +35,7 @@ BENCHMARKS = [
     "load",
     "fleet",
     "privacy",
+    "privacy_population",
 ]
 TITLES = {
     "wire": "wire",
@@ -45,6 +46,7 @@ TITLES = {
     "round_overhead": "round overhead",
     "fleet": "heterogeneous fleet",
     "privacy": "differential privacy",
+    "privacy_population": "differential privacy, 6000 devices",
 }
 DEFAULT_DOC = ROOT / "docs" / "benchmarks.md"
 VERDICT = re.compile(r"^\**\s*(PASS|MISS)\b", re.IGNORECASE)
