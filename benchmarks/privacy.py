@@ -87,25 +87,29 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for partition in dict.fromkeys(r["partition"] for r in records):
-        for clipping in ("fixed", "adaptive"):
+    for colour, partition in enumerate(dict.fromkeys(r["partition"] for r in records)):
+        for clipping, style in (("fixed", "-"), ("adaptive", ":")):
             runs = sorted((r for r in records if r["partition"] == partition and r["clipping"] == clipping),
                           key=lambda r: r["epsilon"])  # fmt: skip
             if runs:
                 ax.plot([r["epsilon"] for r in runs], [r["final_accuracy"] for r in runs], marker="o",
-                        label=f"{partition}, {clipping} clipping")  # fmt: skip
+                        linestyle=style, color=f"C{colour}", label=f"{partition}, {clipping} clipping")  # fmt: skip
         base = next((r for r in records if r["partition"] == partition and r["target_epsilon"] is None), None)
         if base:
-            ax.axhline(base["final_accuracy"], linestyle="--", linewidth=1, color="grey")
-            ax.annotate(f"{partition}, no DP", (0, base["final_accuracy"]), xycoords=("axes fraction", "data"),
-                        fontsize=8, va="bottom")  # fmt: skip
+            ax.axhline(base["final_accuracy"], linestyle="--", linewidth=1, color=f"C{colour}",
+                       label=f"{partition}, no DP")  # fmt: skip
     ax.set_xscale("log")
+    spent = sorted({r["epsilon"] for r in records if r["epsilon"] is not None})
+    ax.set_xticks(spent, [f"{e:.3g}" for e in spent], minor=False)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_ylim(0, 1)  # on the whole scale: a tenth of a point must not look like a cliff
     ax.set_xlabel("epsilon spent (delta 1e-5, dp-accounting RDP)")
     ax.set_ylabel("final test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
