@@ -161,8 +161,8 @@ def run(args: argparse.Namespace, name: str = NAME, quick: dict[str, Any] = QUIC
         for eps in (float(e) for e in args.epsilons.split(",")):
             variants += [(eps, False), *([(eps, True)] if args.adaptive else [])]
         for eps, adaptive in variants:
-            name = f"{partition.replace(':', '')}-{'nodp' if eps is None else f'eps{eps:g}'}{'-adaptive' * adaptive}"
-            records.append(run_one(args, partition, eps, adaptive, runs_dir / name))
+            variant = f"{partition.replace(':', '')}-{'nodp' if eps is None else f'eps{eps:g}'}{'-adaptive' * adaptive}"
+            records.append(run_one(args, partition, eps, adaptive, runs_dir / variant))
             print(json.dumps(records[-1]), flush=True)
     data = {
         "quick": args.quick, "machine": machine(), "command": " ".join([f"python -m benchmarks.{name}", *sys.argv[1:]]),
