@@ -189,8 +189,8 @@ def _serve_link(
         with lock:
             stats["errors"].append(f"{cid}: round {round_}: {reason}: {exc}")
 
-    def uploaded() -> None:
-        facts = secure.facts if secure is not None else None  # the round whose masked input was just sent
+    def served() -> None:
+        facts = secure.facts if secure is not None else None  # the round whose masked input and reveal were sent
         assert facts is not None
         acknowledged(facts.round, facts.deadline_s)
 
@@ -201,7 +201,7 @@ def _serve_link(
         if secure is None:
             from edge_client.secagg.client import SecureClient
 
-            secure = SecureClient(cid, send, fail, uploaded)
+            secure = SecureClient(cid, send, fail, served)
         secure.start(a)
         scalars = {"local_steps": assignment.plan.steps, "compute_s": 0.0, "cpu_s": 0.0, "train_loss": 0.0,
                    "metrics": {}}  # fmt: skip

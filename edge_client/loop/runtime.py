@@ -412,11 +412,11 @@ class EdgeClient:
                 self._fail(a.facts.round, a.facts.run_id, "secure_unavailable", exc, a.facts.deadline_s)
                 return False
             publish = lambda msg: self.link.publish(self.topics.up(self.client_id), encode(msg))  # noqa: E731
-            self._secure = SecureClient(self.client_id, publish, self._fail, self._uploaded_securely)
+            self._secure = SecureClient(self.client_id, publish, self._fail, self._served_securely)
         self._secure.start(a.facts)
         return True
 
-    def _uploaded_securely(self) -> None:
+    def _served_securely(self) -> None:
         self.rounds_done += 1
 
     def _serve(self, assignment: Assignment) -> None:

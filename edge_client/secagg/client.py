@@ -44,13 +44,15 @@ Fail = Callable[[int, str, str, BaseException, float], None]
 
 class SecureClient:
     def __init__(
-        self, client_id: str, publish: Callable[[Message], int], fail: Fail, uploaded: Callable[[], None]
+        self, client_id: str, publish: Callable[[Message], int], fail: Fail, served: Callable[[], None]
     ) -> None:
-        """``uploaded``: called once a round's masked input is sent (the runtime counts its rounds served)."""
+        """``served``: called once the device's part in a round is over, its reveal sent (the runtime counts its
+        rounds served): a device told to stop after its last round must still reveal its shares in it, or no mask
+        of that round can be removed and the round is lost for every device."""
         self.client_id = client_id
         self.publish = publish
         self.fail = fail
-        self.uploaded = uploaded
+        self.served = served
         self.round: DeviceRound | None = None
         self.facts: RoundFacts | None = None  # the round's facts: its secure terms
         self.quantised: np.ndarray | None = None  # the round's summed arrays as one vector of ring elements
@@ -107,6 +109,7 @@ class SecureClient:
                 shares = r.reveal(msg.survivors, msg.dropped)
                 self.publish(SecAggReveal(r.round, self.client_id, [list(s) for s in shares], r.run_id))
                 self.round = None  # its part in the round is over
+                self.served()
         except (ProtocolBreach, ShareRejected, ValueError) as exc:
             self.round = None
             self.fail(a.round, a.run_id, "secagg", exc, a.deadline_s)
@@ -126,4 +129,3 @@ class SecureClient:
             )
         )
         self.quantised = None
-        self.uploaded()

@@ -4,18 +4,27 @@ The protocol as a library, with hand-made keys and no broker, is tested in tests
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from edge_client.learning.data import load_local_data
+from edge_client.loop.runtime import EdgeClient
 from edge_client.secagg.ring import Ring
 from edge_client.wire.messages import GlobalModel, MaskedInput
 from edge_client.wire.protocol import decode
 from edge_client.wire.topics import Topics
+from edge_client.wire.transport import LinkConfig
 from edgefl_testkit.basics import CHANCE
-from edgefl_testkit.federation import end_federation
+from edgefl_testkit.federation import end_federation, make_config
+from server.assembly import make_orchestrator
+from server.broker import Broker
+from server.datasets import load_dataset
+from server.experiments.simulate import client_ids, prepare_shards
 
 pytestmark = pytest.mark.integration
 
@@ -120,3 +129,29 @@ def test_central_dp_with_secure_aggregation_over_mosquitto(
     assert len(sums) == 2 and noise.size == 2 * 55_210
     assert noise.std() == pytest.approx(z * clip_norm, rel=0.03)
     assert abs(noise.mean()) < 4 * z * clip_norm / np.sqrt(noise.size)  # centred: the updates add nothing visible
+
+
+def test_a_device_stopping_after_its_last_round_reveals_its_shares_first(broker: Broker, tmp_path: Path) -> None:
+    """Found by ``qemu-smoke.sh --secure``: devices run with ``--max-rounds 1`` stopped once their masked input was
+    sent, before the server asked for their shares, and the round was lost for both (``secagg_unrecoverable``). Two
+    ``EdgeClient``s, each ``run(max_rounds=1)`` on a thread over mosquitto, threshold 2, one round: the round
+    aggregates securely and each device stops having served it."""
+    privacy = {"secure_aggregation": True, "clip_norm": 2.0, "threshold": 2, "stage_deadline_s": 30.0}
+    config = make_config(tmp_path, "secagg-last", 2, 1, train={"local_steps": 2}, privacy=privacy)
+    bundle = load_dataset("digits", seed=0)
+    out, ids = Path(config.run.out), client_ids(2)
+    shards, _ = prepare_shards(bundle, ids, "iid", 0, out / "shards")
+    server = LinkConfig(broker.url, broker.server.username, broker.server.password)
+    orch = make_orchestrator(config, bundle, out, link_config=server)
+    clients = []
+    for cid, shard in zip(ids, shards, strict=True):
+        login = LinkConfig(broker.url, cid, (broker.devices.get(cid) or broker.add_device(cid)).password)
+        clients.append(EdgeClient(cid, load_local_data(str(shard)), login, job=config.run.job))
+    threads = [threading.Thread(target=c.run, kwargs={"max_rounds": 1}, daemon=True) for c in clients]
+    for thread in threads:
+        thread.start()
+    summary = orch.run()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert summary["secure_rounds"] == 1 and summary["dropped_rounds"] == []
+    assert [c.rounds_done for c in clients] == [1, 1] and not any(t.is_alive() for t in threads)
