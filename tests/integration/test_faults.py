@@ -177,7 +177,9 @@ def test_absurd_updates_are_rejected_by_reason_and_the_round_goes_on(federation,
     reason and counted in its round; the round does not wait for c9 after its one update was refused (a second, good
     update could race the round's close, so the device sends one a round) and aggregates the other clients."""
     kinds = ["norm", "non_finite", "model_version", "shape"]
-    orch, _ = federation("absurd", clients=2, rounds=len(kinds))
+    # min_clients 3: the run waits for both processes beside c9 (on a loaded machine the second one could otherwise
+    # register after the run ended and wait, with --once, for a run to end until the fixture killed it 20 s later)
+    orch, _ = federation("absurd", clients=2, rounds=len(kinds), min_clients=3)
 
     def absurd(msg: Assignment) -> list[bytes | bytearray]:
         assert msg.plan.weights is not None

@@ -24,12 +24,12 @@ def test_benchmark_quick(tmp_path: Path) -> None:
 
 
 def test_population_benchmark_quick(tmp_path: Path) -> None:
-    """``python -m benchmarks.privacy_population --quick``: a sampled population of 300 devices, the budget spent, its
+    """``python -m benchmarks.privacy_population --quick``: a sampled population of 100 devices, the budget spent, its
     own results files, and the verdict as a table row the runner's summary reads."""
     data, md = run_benchmark_quick("privacy_population", tmp_path)
-    assert data["config"]["devices"] == 300 and data["command"].startswith("python -m benchmarks.privacy_population")
+    assert data["config"]["devices"] == 100 and data["command"].startswith("python -m benchmarks.privacy_population")
     by = {r["clipping"]: r for r in data["records"]}
     assert by["fixed"]["epsilon"] == pytest.approx(8.0, abs=0.01) and all(r["rounds"] == 2 for r in by.values())
-    assert md.startswith("## Differential privacy, 300 devices")
+    assert md.startswith("## Differential privacy, 100 devices")
     assert [verdict for _, _, verdict in targets(md)] in (["PASS"], ["MISS"])
     assert (tmp_path / "privacy_population.png").stat().st_size > 0
