@@ -176,9 +176,14 @@ def run(args: argparse.Namespace, name: str = NAME, quick: dict[str, Any] = QUIC
     return data
 
 
-def build_parser(prog: str = f"python -m benchmarks.{NAME}", description: str = __doc__) -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = f"python -m benchmarks.{NAME}", description: str = __doc__, quick: dict[str, Any] = QUICK
+) -> argparse.ArgumentParser:
+    """The options; ``quick``: what ``--quick`` runs, as its help says."""
     parser = argparse.ArgumentParser(prog=prog, description=description.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="digits, 20 devices, 2 rounds, epsilon 8 and none (CI)")
+    q = quick
+    parser.add_argument("--quick", action="store_true", help=f"{q['dataset']}, {q['devices']} devices, {q['rounds']} "
+                        f"rounds, epsilon {q['epsilons']} and none (CI)")  # fmt: skip
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--devices", type=int, default=100)
     parser.add_argument("--fraction", type=float, default=0.1, help="each device's chance to be selected a round")

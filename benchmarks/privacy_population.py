@@ -23,7 +23,7 @@ QUICK = {**privacy.QUICK, "devices": 100}  # 25 a round; delta 1e-3 stays below 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = privacy.build_parser(f"python -m benchmarks.{NAME}", __doc__)
+    parser = privacy.build_parser(f"python -m benchmarks.{NAME}", __doc__, QUICK)
     parser.set_defaults(**POPULATION)
     data = privacy.run(parser.parse_args(argv), NAME, QUICK)
     print(privacy.markdown(data))
